@@ -1,0 +1,60 @@
+"""graphzero: compile-time ZeRO gradient handling for DeepSpeed engines sharing one loss.
+
+    step = torch.compile(step, backend="graphzero", options={"engines": {"gen": gen, "disc": disc}})
+    step(z, real).backward()        # each engine now holds its reduced fp32 gradient shard
+    gen.step(); disc.step()
+"""
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Any
+
+from . import deepspeed_adapter
+from .backend import graphzero_backend
+from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
+                     WorldMismatchError)
+from .options import Options
+
+__all__ = ["GraphZeroError", "NotAnEngineError", "OptionError", "OwnershipError", "UnsupportedConfigError",
+           "WorldMismatchError", "attach", "detach", "graphzero_backend"]
+
+logging.getLogger("graphzero").addHandler(logging.NullHandler())
+
+
+def attach(*engines: Any, **named_engines: Any) -> None:
+    """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it.
+
+    For code that cannot pass ``options={"engines": ...}`` (e.g. ``module.compile(backend="graphzero")``).
+    Positional engines are named ``engine0``, ``engine1``, ...; keyword ones by their keyword.
+    """
+    pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
+    deepspeed_adapter.attach(pairs)
+
+
+def detach(*engines: Any) -> None:
+    """Give the engines back to DeepSpeed: its own hooks, forward and backward are restored."""
+    for engine in engines:
+        deepspeed_adapter.detach(engine)
+
+
+def _register() -> None:
+    # With the package installed, the entry point makes the backend visible; registering again
+    # by name would fail with "duplicate name".
+    if any(ep.name == "graphzero" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo import list_backends, register_backend
+    if "graphzero" not in list_backends(exclude_tags=()):
+        register_backend(compiler_fn=graphzero_backend, name="graphzero")
+
+
+def _register_torch_logs() -> None:
+    try:
+        from torch._logging._internal import register_log
+        register_log("graphzero", "graphzero")
+    except Exception:  # noqa: BLE001 - TORCH_LOGS integration is a convenience
+        pass
+
+
+_register()
+_register_torch_logs()

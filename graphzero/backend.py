@@ -1,0 +1,171 @@
+"""The ``graphzero`` torch.compile backend.
+
+Data flow: Dynamo FX graph -> ownership (graph inputs -> engine ParamSets) -> AOT autograd ->
+forward graph unchanged / backward graph through ``passes.PIPELINE`` -> inner compiler
+(inductor or eager FX) -> at run time the backward gets each engine's shard buffers appended to
+its arguments and writes the reduced, scaled fp32 shards into them.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+from torch._guards import detect_fake_mode
+
+from . import deepspeed_adapter
+from .dump import GraphDump
+from .options import Options
+from .ownership import Ownership, ParamSet
+from .passes import PassContext, run_pipeline
+
+log = logging.getLogger("graphzero")
+
+
+def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None,
+                      **_unused: Any):
+    """torch.compile backend entry point (``backend="graphzero"``)."""
+    opts = Options.parse(options)
+    if opts.engines:
+        if any(deepspeed_adapter.binding_of(engine) is None for _, engine in opts.engines):
+            deepspeed_adapter.attach(opts.engines)
+            _forget_speculation()
+            raise RetraceAfterAttach(restart_reason="graphzero attached its engines; re-tracing without "
+                                                    "DeepSpeed's forward hooks")
+        bindings = deepspeed_adapter.attach(opts.engines)
+    else:
+        bindings = _attached_bindings(example_inputs)
+    ownership = Ownership.build(example_inputs, [b.param_set for b in bindings])
+    graph_id = _graph_id()
+    dump = GraphDump.for_graph(opts, graph_id)
+    if not ownership.inputs:
+        log.info("graph %s uses no engine-owned parameters; compiling it unchanged", graph_id)
+    transform = BackwardTransform(ownership, opts, dump)
+    # An AOT-autograd cache hit would replay a backward without the sink arguments the runtime
+    # wrapper supplies, so this backend's graphs never go through that cache.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        if opts.inner == "eager":
+            return _compile_eager(gm, example_inputs, transform)
+        return _compile_inductor(gm, example_inputs, transform)
+
+
+class RetraceAfterAttach(TensorifyScalarRestartAnalysis):
+    """Raised once, by the first compile that attaches engines named in ``options``.
+
+    Dynamo traced that frame before the backend could attach, i.e. through DeepSpeed's forward
+    hooks (timers, output hooks that break the graph). Dynamo re-raises this family of restart
+    exceptions from a backend and traces the frame again, now without those hooks.
+    """
+
+
+def _forget_speculation() -> None:
+    # The re-trace takes a different path (no hooks), which Dynamo would otherwise report as a
+    # diverged speculation log.
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    tx = InstructionTranslator.current_tx()
+    if tx is not None:
+        tx.speculation_log.clear()
+
+
+def _attached_bindings(example_inputs: Sequence[Any]) -> list:
+    bindings = []
+    for x in example_inputs:
+        b = deepspeed_adapter.binding_of(x) if isinstance(x, torch.nn.Parameter) else None
+        if b is not None and b not in bindings:
+            bindings.append(b)
+    return bindings
+
+
+def _graph_id() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:
+        return "g0"
+    text = str(compile_id).replace("/", "_").replace("[", "").replace("]", "").replace(" ", "")
+    return "g" + text.removesuffix("_0")
+
+
+class BackwardTransform:
+    """Runs the pass pipeline on one backward graph and wraps the compiled result."""
+
+    def __init__(self, ownership: Ownership, opts: Options, dump: GraphDump) -> None:
+        self.ownership = ownership
+        self.opts = opts
+        self.dump = dump
+
+    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
+        fake_mode = detect_fake_mode(example_inputs)
+        if fake_mode is None:
+            fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        ctx = PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective)
+        self.dump.backward_stage("input", gm)
+        if self.ownership.inputs:
+            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage)
+        self.dump.finish(ctx, self.ownership)
+        return gm, ctx
+
+    def sink_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        return [ph.meta["val"] for ph in placeholders[len(placeholders) - len(ctx.sinks):]]
+
+    def wrap(self, compiled, ctx: PassContext):
+        if not ctx.sinks:
+            return compiled
+        return BackwardWithSinks(compiled, ctx)
+
+
+class BackwardWithSinks:
+    """Calls a compiled backward with each engine's current shard buffers appended to its args.
+
+    The buffers are fetched per call, not baked in: an optimizer step replaces or zeroes them.
+    """
+
+    def __init__(self, compiled, ctx: PassContext) -> None:
+        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
+        self._boxed_call = True
+        self.compiled = compiled
+        self.sinks = list(ctx.sinks)
+        self.param_sets: list[ParamSet] = []
+        for ps, _ in self.sinks:
+            if ps not in self.param_sets:
+                self.param_sets.append(ps)
+        self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
+
+    def __call__(self, args: list[Any]) -> Any:
+        buffers = {}
+        for ps in self.param_sets:
+            ps.mark_present(self.present[ps])
+            buffers[ps] = ps.sinks()
+        args.extend(buffers[ps][g] for ps, g in self.sinks)
+        return self.compiled(args)
+
+
+def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+        if not kwargs.get("is_backward"):
+            t.dump.forward(graph)
+            return compile_fx_inner(graph, inputs, **kwargs)
+        graph, ctx = t.transform(graph, inputs)
+        inputs = list(inputs) + t.sink_example_inputs(graph, ctx)
+        return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
+        t.dump.forward(graph)
+        return make_boxed_func(graph.forward)
+
+    def bw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
+        graph, ctx = t.transform(graph, inputs)
+        return t.wrap(make_boxed_func(graph.forward), ctx)
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)

@@ -1,0 +1,317 @@
+"""The DeepSpeed adapter: the only module that touches DeepSpeed internals.
+
+`attach(engine, name)` checks the engine's config, builds its `ParamSet` (the flat gradient layout
+its ZeRO optimizer reads in `step()`), binds that optimizer's partition buffers as the shard sinks,
+and switches off DeepSpeed's own gradient handling for the parameters graphzero now owns:
+
+- the optimizer's post-accumulate-grad hooks (``optimizer._grad_acc_hooks``), which would run
+  DeepSpeed's bucketed reduction (``reduce_independent_p_g_buckets_and_remove_grads``...);
+- the module forward pre/post hooks and ``engine.forward``'s output backward hooks, which run the
+  backward prologue and divide gradients by gas at run time (graphzero applies 1/gas in-graph);
+- ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``).
+
+`detach` restores all of it. State lives on the engine and its parameters (``_graphzero_binding``),
+not in a module-level registry.
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
+from .ownership import FlatGroup, ParamSet
+
+log = logging.getLogger("graphzero")
+
+_BINDING_ATTR = "_graphzero_binding"
+
+
+def _deepspeed_engine_class() -> type:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return DeepSpeedEngine
+
+
+def binding_of(obj: object) -> DeepSpeedBinding | None:
+    """The binding attached to an engine or an owned parameter, if any."""
+    return getattr(obj, _BINDING_ATTR, None)
+
+
+def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
+    """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any."""
+    engine_cls = _deepspeed_engine_class()
+    claimed: dict[int, str] = {}
+    for name, engine in engines:
+        if not isinstance(engine, engine_cls):
+            raise NotAnEngineError(
+                f"engine {name!r} is a {type(engine).__module__}.{type(engine).__qualname__}, not a DeepSpeed "
+                "engine: pass the engine returned by deepspeed.initialize()")
+        if binding_of(engine) is None:
+            _check_config(name, engine)
+        for pname, p in _trainable(engine):
+            owner = binding_of(p)
+            if owner is not None and owner.engine is not engine:
+                raise OwnershipError(f"parameter {pname!r} is owned by two engines: {owner.name!r} and {name!r}")
+            if id(p) in claimed and claimed[id(p)] != name:
+                raise OwnershipError(f"parameter {pname!r} is owned by two engines: {claimed[id(p)]!r} and {name!r}")
+            claimed[id(p)] = name
+    bindings = []
+    for name, engine in engines:
+        binding = binding_of(engine)
+        if binding is None:
+            binding = DeepSpeedBinding(engine, name)
+            binding.install()
+        else:
+            binding.name = name
+        bindings.append(binding)
+    return bindings
+
+
+def detach(engine: object) -> None:
+    binding = binding_of(engine)
+    if binding is not None:
+        binding.uninstall()
+
+
+def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def _check_config(name: str, engine) -> None:
+    def unsupported(key: str, why: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(f"engine {name!r}: DeepSpeed config {key} is not supported by graphzero yet ({why})")
+
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        raise unsupported("zero_optimization.stage=3", "ZeRO-3 parameter partitioning is a later milestone")
+    if stage == 0:
+        raise unsupported("zero_optimization.stage=0", "use ZeRO stage 1 or 2")
+    if engine.fp16_enabled():
+        raise unsupported("fp16.enabled", "fp16 needs dynamic loss scaling; use bf16")
+    if _offloads(engine.zero_offload_optimizer()):
+        raise unsupported("zero_optimization.offload_optimizer", "optimizer offload")
+    if _offloads(engine.zero_offload_param()):
+        raise unsupported("zero_optimization.offload_param", "parameter offload")
+    if engine.torch_autocast_enabled():
+        raise unsupported("torch_autocast.enabled", "autocast inside the engine")
+    if not engine.managed_gradient_accumulation():
+        raise unsupported("managed_gradient_accumulation=false", "step() would rebuild gradients from .grad")
+    if getattr(engine, "zenflow", False):
+        raise unsupported("zenflow", "ZenFlow selective updates")
+    if getattr(engine, "has_moe_layers", False):
+        raise unsupported("MoE layers", "expert-parallel gradient groups")
+    if getattr(engine, "pipeline_parallelism", False):
+        raise unsupported("PipelineModule", "pipeline parallelism")
+    kind = _optimizer_kind(engine)
+    if kind is None:
+        raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
+                          "graphzero binds DeepSpeedZeroOptimizer and BF16_Optimizer")
+
+
+def _offloads(offload_config) -> bool:
+    device = getattr(offload_config, "device", None)
+    return device is not None and str(getattr(device, "value", device)) != "none"
+
+
+def _optimizer_kind(engine) -> str | None:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        return "zero"
+    if isinstance(engine.optimizer, BF16_Optimizer):
+        return "bf16"
+    return None
+
+
+class DeepSpeedBinding:
+    """graphzero's hold on one DeepSpeed engine (ZeRO-1/2, DeepSpeedZeroOptimizer or BF16_Optimizer)."""
+
+    def __init__(self, engine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.kind = _optimizer_kind(engine)
+        self._installed_groups: dict[int, object] = {}
+        self._saved: dict[str, object] = {}
+        self._eager_hooks: list = []
+        self._warned_eager = False
+        self.param_set = self._build_param_set()
+
+    # -- layout -------------------------------------------------------------------------------
+    def _build_param_set(self) -> ParamSet:
+        engine, opt = self.engine, self.engine.optimizer
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        groups = []
+        if self.kind == "zero":
+            pgs = opt.real_dp_process_group
+            for i, params in enumerate(opt.round_robin_bit16_groups):
+                groups.append(FlatGroup(
+                    params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
+                    offsets=tuple(int(o) for o in opt.round_robin_bit16_offsets[i]),
+                    numel=int(opt.bit16_groups_flat[i].numel()), sharded=True))
+            accum_dtype = opt.gradient_accumulation_dtype
+        else:
+            pgs = opt.real_dp_process_group
+            for i, params in enumerate(opt.bf16_groups):
+                offsets, o = [], 0
+                for p in params:
+                    offsets.append(o)
+                    o += p.numel()
+                groups.append(FlatGroup(
+                    params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
+                    offsets=tuple(offsets), numel=int(opt.bf16_groups_flat[i].numel()), sharded=False))
+            accum_dtype = opt.grad_acc_dtype
+        pg = pgs[0]
+        if any(g is not pg for g in pgs):
+            raise UnsupportedConfigError(f"engine {self.name!r}: param groups on different process groups")
+        world = dist.get_world_size(group=pg)
+        rank = dist.get_rank(group=pg)
+        if rank < 0:
+            raise UnsupportedConfigError(f"engine {self.name!r}: this rank is not in its data-parallel group")
+        gas = engine.gradient_accumulation_steps()
+        return ParamSet(
+            name=self.name, stage=engine.zero_optimization_stage(), groups=tuple(groups), process_group=pg,
+            group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
+            world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
+            bucket_numel=int(engine.zero_reduce_bucket_size()), grad_scale=1.0 / (world * gas),
+            backend=str(dist.get_backend(pg)), sinks=self.sinks, mark_present=self.mark_present)
+
+    # -- sinks --------------------------------------------------------------------------------
+    def sinks(self) -> list[torch.Tensor]:
+        """Per group, the buffer to accumulate this rank's reduced gradient into.
+
+        DeepSpeedZeroOptimizer: the flat partition of a compact grad-partition buffer installed in
+        ``averaged_gradients[i]`` (the same dict object: params' ``_hp_mapping`` reference it).
+        ``step()`` clips it in place and then drops it (sets the entry to None), so a missing or
+        replaced entry means "a step consumed it": install a fresh zeroed one.
+        BF16_Optimizer: its full fp32 gradient buffer, which its own ``step()`` zeroes.
+        """
+        opt = self.engine.optimizer
+        if self.kind == "bf16":
+            return list(opt.fp32_groups_gradients_flat)
+        out = []
+        for i in range(len(self.param_set.groups)):
+            group = opt.averaged_gradients.get(i)
+            if group is None or group is not self._installed_groups.get(i):
+                group = opt._build_compact_grad_partition_buffer(i)
+                opt.averaged_gradients[i] = group
+                self._installed_groups[i] = group
+            out.append(group.flat_partition)
+        return out
+
+    def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Tell the optimizer these parameters received a gradient (BF16_Optimizer skips unflagged ones)."""
+        if self.kind != "bf16":
+            return
+        opt = self.engine.optimizer
+        for p in params:
+            g, k = self.param_set.locate(p)
+            opt.fp32_groups_has_gradients[g][k] = True
+            p._hp_grad = opt.fp32_groups_gradients[g][k]
+
+    # -- install / uninstall ------------------------------------------------------------------
+    def install(self) -> None:
+        engine, opt = self.engine, self.engine.optimizer
+        for h in opt._grad_acc_hooks:
+            h.remove()
+        opt._grad_acc_hooks.clear()
+        for attr in ("module_forward_pre_hook", "module_forward_post_hook"):
+            handle = getattr(engine, attr, None)
+            if handle is not None:
+                handle.remove()
+                setattr(engine, attr, None)
+        module = engine.module
+
+        def forward(*args, **kwargs):
+            # The module itself, without engine.forward's output hooks (they divide by gas and
+            # run the backward prologue at run time) and without the timers that break graphs.
+            return module(*args, **kwargs)
+
+        self._saved = {"forward": engine.__dict__.get("forward"), "backward": engine.__dict__.get("backward"),
+                       "enable_backward_allreduce": engine.enable_backward_allreduce}
+        engine.forward = forward
+        engine.backward = types.MethodType(_graphzero_engine_backward, engine)
+        engine.enable_backward_allreduce = False
+        setattr(engine, _BINDING_ATTR, self)
+        for group in self.param_set.groups:
+            for p in group.params:
+                setattr(p, _BINDING_ATTR, self)
+                self._eager_hooks.append(p.register_post_accumulate_grad_hook(self._reduce_eager_grad))
+        log.info("graphzero owns engine %r: ZeRO-%d, %d params, %d elements, %s, world %d",
+                 self.name, self.param_set.stage, self.param_set.num_params, self.param_set.numel,
+                 self.kind, self.param_set.world_size)
+
+    def uninstall(self) -> None:
+        engine, opt = self.engine, self.engine.optimizer
+        for h in self._eager_hooks:
+            h.remove()
+        self._eager_hooks.clear()
+        for group in self.param_set.groups:
+            for p in group.params:
+                if getattr(p, _BINDING_ATTR, None) is self:
+                    delattr(p, _BINDING_ATTR)
+        for attr in ("forward", "backward"):
+            engine.__dict__.pop(attr, None)
+            if self._saved.get(attr) is not None:
+                engine.__dict__[attr] = self._saved[attr]
+        engine.enable_backward_allreduce = self._saved.get("enable_backward_allreduce", True)
+        if engine.module_forward_pre_hook is None:
+            engine.module_forward_pre_hook = engine._create_module_forward_pre_hook()
+        if engine.module_forward_post_hook is None:
+            engine.module_forward_post_hook = engine._create_module_forward_post_hook()
+        if self.kind == "bf16":
+            if opt.immediate_grad_update:
+                opt.create_grad_acc_hooks()
+        else:
+            opt.create_gradient_handling_hooks()
+        for i, group in self._installed_groups.items():
+            if opt.averaged_gradients.get(i) is group:
+                opt.averaged_gradients[i] = None
+        self._installed_groups.clear()
+        if getattr(engine, _BINDING_ATTR, None) is self:
+            delattr(engine, _BINDING_ATTR)
+
+    # -- safety net for gradients computed outside graphzero's graphs ---------------------------
+    @torch.no_grad()
+    def _reduce_eager_grad(self, param: torch.nn.Parameter) -> None:
+        """Reduce a gradient that reached ``param.grad`` through eager autograd.
+
+        Compiled graphs return no gradient for owned parameters, so this runs only for code that
+        Dynamo did not capture (a skipped frame, a plain eager call). It keeps the result correct,
+        at the cost of one blocking all-reduce per parameter.
+        """
+        if param.grad is None:
+            return
+        if not self._warned_eager:
+            log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
+                        "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)
+            self._warned_eager = True
+        ps = self.param_set
+        g, k = ps.locate(param)
+        group = ps.groups[g]
+        grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
+        dist.all_reduce(grad, group=ps.process_group)
+        sink = self.sinks()[g]
+        start, n = group.offsets[k], param.numel()
+        lo = ps.rank * group.shard_numel(ps.world_size) if group.sharded else 0
+        hi = lo + group.shard_numel(ps.world_size)
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=ps.grad_scale)
+        self.mark_present([param])
+        param.grad = None
+
+
+def _graphzero_engine_backward(engine, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+    """``engine.backward`` while graphzero owns the engine: a plain ``loss.backward()``.
+
+    The 1/gas scaling and the reduction happen in the compiled backward (or the eager safety net),
+    so DeepSpeed's prologue (loss/gas) and epilogue (allreduce_gradients) must not run again.
+    """
+    if not scale_wrt_gas:
+        raise UnsupportedConfigError(
+            "engine.backward(..., scale_wrt_gas=False) under graphzero: gradients are scaled by 1/gas in-graph")
+    loss.backward(retain_graph=retain_graph)
+    return loss / engine.gradient_accumulation_steps()

@@ -1,0 +1,38 @@
+"""graphzero's exceptions.
+
+Every error a user can cause is a :class:`GraphZeroError`, raised at compile time or at the first
+call, before any collective runs, and names the option, engine or parameter at fault.
+"""
+from __future__ import annotations
+
+from torch._dynamo.exc import ShortenTraceback
+
+
+# Dynamo wraps any exception a backend raises in BackendCompilerFailed, except ShortenTraceback
+# subclasses, which it re-raises as they are. Deriving from it lets `except GraphZeroError` work
+# around a torch.compile'd call.
+class GraphZeroError(ShortenTraceback):
+    """Base class of graphzero's user-facing errors."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
+
+
+class OptionError(GraphZeroError, ValueError):
+    """An unknown option or an option with a bad value."""
+
+
+class NotAnEngineError(GraphZeroError, TypeError):
+    """Something in `engines` is not a DeepSpeed engine."""
+
+
+class UnsupportedConfigError(GraphZeroError):
+    """An engine uses a DeepSpeed feature graphzero does not support yet; the message names the key."""
+
+
+class OwnershipError(GraphZeroError):
+    """A parameter is claimed by two engines."""
+
+
+class WorldMismatchError(GraphZeroError):
+    """Engines in one graph reduce over data-parallel groups of different sizes, or without this rank."""

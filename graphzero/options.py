@@ -1,0 +1,88 @@
+"""The backend's options, parsed once into a frozen dataclass."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import OptionError
+
+INNER_COMPILERS = ("inductor", "eager")
+COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
+DUMP_RANKS = ("0", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Parsed `options=` of ``torch.compile(..., backend="graphzero")``.
+
+    engines: ``(name, engine)`` pairs; empty means "the engines attached with graphzero.attach".
+    inner: ``"inductor"`` compiles the transformed graphs with inductor, ``"eager"`` runs them as FX.
+    bucket_size: elements per reduction bucket; None means each engine's
+        ``zero_optimization.reduce_bucket_size``.
+    collective: ``"reduce_scatter"`` or ``"all_reduce"`` (then each rank keeps only its shard);
+        ``"auto"`` picks reduce-scatter, except on gloo where an all-reduce is measured cheaper.
+    overlap: issue each bucket's collective as soon as its gradients exist and wait as late as
+        possible; off waits right after issuing.
+    dump_dir / dump_ranks: where and from which ranks to write the graph dump (docs/dump-format.md).
+    """
+
+    engines: tuple[tuple[str, Any], ...] = ()
+    inner: str = "inductor"
+    bucket_size: int | None = None
+    collective: str = "auto"
+    overlap: bool = True
+    dump_dir: str | None = None
+    dump_ranks: str = "0"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> Options:
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise OptionError(
+                f"unknown graphzero option(s) {unknown}; known options are {sorted(known)}")
+        engines = _parse_engines(options.pop("engines", None))
+        inner = options.get("inner", "inductor")
+        if inner not in INNER_COMPILERS:
+            raise OptionError(f"option 'inner' must be one of {INNER_COMPILERS}, got {inner!r}")
+        bucket_size = options.get("bucket_size")
+        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
+                                        or bucket_size <= 0):
+            raise OptionError(f"option 'bucket_size' must be a positive int (elements), got {bucket_size!r}")
+        collective = options.get("collective", "auto")
+        if collective not in COLLECTIVES:
+            raise OptionError(f"option 'collective' must be one of {COLLECTIVES}, got {collective!r}")
+        overlap = options.get("overlap", True)
+        if not isinstance(overlap, bool):
+            raise OptionError(f"option 'overlap' must be True or False, got {overlap!r}")
+        dump_dir = options.get("dump_dir") or os.environ.get("GRAPHZERO_DUMP_DIR") or None
+        dump_ranks = str(options.get("dump_ranks", os.environ.get("GRAPHZERO_DUMP_RANKS", "0")))
+        if dump_ranks not in DUMP_RANKS:
+            raise OptionError(f"option 'dump_ranks' must be one of {DUMP_RANKS}, got {dump_ranks!r}")
+        return cls(engines=engines, inner=inner, bucket_size=bucket_size, collective=collective,
+                   overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks)
+
+
+def _parse_engines(engines: Any) -> tuple[tuple[str, Any], ...]:
+    if engines is None:
+        return ()
+    if isinstance(engines, Mapping):
+        pairs = list(engines.items())
+        for name, _ in pairs:
+            if not isinstance(name, str) or not name:
+                raise OptionError(f"option 'engines': names must be non-empty strings, got {name!r}")
+    elif isinstance(engines, (list, tuple)):
+        pairs = [(f"engine{i}", e) for i, e in enumerate(engines)]
+    else:
+        raise OptionError("option 'engines' must be a list of DeepSpeed engines or a {name: engine} dict, "
+                          f"got {type(engines).__name__}")
+    seen: dict[int, str] = {}
+    for name, engine in pairs:
+        if id(engine) in seen:
+            raise OptionError(f"option 'engines': the same engine is listed twice, as {seen[id(engine)]!r} "
+                              f"and {name!r}")
+        seen[id(engine)] = name
+    return tuple(pairs)

@@ -1,0 +1,127 @@
+"""Who owns which parameter: `ParamSet` per engine, and the map from graph inputs to them.
+
+Nothing here knows about DeepSpeed: an adapter (deepspeed_adapter.py) builds `ParamSet`s from an
+engine, and passes only read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .errors import WorldMismatchError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatGroup:
+    """One flat gradient buffer of an engine's optimizer (one per optimizer param group).
+
+    Parameter k's gradient occupies ``[offsets[k], offsets[k] + params[k].numel())`` of a flat
+    buffer of ``numel`` elements (gaps and the tail are zero padding). With ``sharded`` the buffer
+    is split into ``world_size`` equal shards and rank r keeps shard r; otherwise every rank keeps
+    the whole buffer.
+    """
+
+    params: tuple[torch.nn.Parameter, ...]
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    sharded: bool
+
+    def shard_numel(self, world_size: int) -> int:
+        return self.numel // world_size if self.sharded else self.numel
+
+    def num_shards(self, world_size: int) -> int:
+        return world_size if self.sharded else 1
+
+
+@dataclasses.dataclass(eq=False)
+class ParamSet:
+    """The parameters one engine owns, and how their gradients must be reduced and stored.
+
+    sinks() returns, per group, the tensor this rank accumulates its reduced shard into (the
+    buffer the engine's optimizer reads in step()); the adapter zeroes and re-installs it after
+    an optimizer step.
+    """
+
+    name: str
+    stage: int
+    groups: tuple[FlatGroup, ...]
+    process_group: object
+    group_name: str
+    world_size: int
+    rank: int
+    comm_dtype: torch.dtype
+    accum_dtype: torch.dtype
+    bucket_numel: int
+    grad_scale: float
+    backend: str
+    sinks: Callable[[], list[torch.Tensor]]
+    mark_present: Callable[[Sequence[torch.nn.Parameter]], None] = lambda params: None
+
+    def __post_init__(self) -> None:
+        self._where = {id(p): (g, k) for g, grp in enumerate(self.groups) for k, p in enumerate(grp.params)}
+
+    def locate(self, param: torch.Tensor) -> tuple[int, int] | None:
+        """(group index, position in group) of an owned parameter, else None."""
+        return self._where.get(id(param))
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for grp in self.groups for p in grp.params)
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(grp.params) for grp in self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedInput:
+    """A graph input that is a parameter some ParamSet owns."""
+
+    index: int
+    param_set: ParamSet
+    group: int
+    position: int
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.param_set.groups[self.group].params[self.position]
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.param_set.name}.{self.param_set.groups[self.group].names[self.position]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ownership:
+    """Map from graph input index to the ParamSet owning it."""
+
+    inputs: dict[int, OwnedInput]
+    param_sets: tuple[ParamSet, ...]
+
+    @classmethod
+    def build(cls, example_inputs: Sequence[object], param_sets: Sequence[ParamSet]) -> Ownership:
+        owned: dict[int, OwnedInput] = {}
+        for i, x in enumerate(example_inputs):
+            if not isinstance(x, torch.nn.Parameter):
+                continue
+            for ps in param_sets:
+                where = ps.locate(x)
+                if where is not None:
+                    owned[i] = OwnedInput(i, ps, *where)
+                    break
+        used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
+        _check_same_world(used)
+        return cls(owned, used)
+
+
+def _check_same_world(param_sets: Sequence[ParamSet]) -> None:
+    # One loss is averaged over the data-parallel ranks; engines that average over different
+    # groups sizes would each see a different "global batch".
+    sizes = {ps.name: ps.world_size for ps in param_sets}
+    if len(set(sizes.values())) > 1:
+        raise WorldMismatchError(
+            "engines in one compiled graph must share a data-parallel world size, got "
+            + ", ".join(f"engine {n!r}: {s}" for n, s in sizes.items()))

@@ -1,0 +1,100 @@
+"""What the passes share: the pass context and one helper that inserts FX nodes.
+
+Every inserted node gets its fake value in ``meta["val"]`` (so later passes and inductor can reason
+about it) and ``meta["graphzero"] = {"pass", "engine", "why"}`` (so the dump can say who inserted
+it for which engine and why).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from ..ownership import OwnedInput, Ownership, ParamSet
+
+
+@dataclasses.dataclass
+class GradOutput:
+    """An owned parameter's gradient among the backward graph's outputs."""
+
+    slot: int
+    node: fx.Node
+    owned: OwnedInput
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One collective: for every shard s of a flat group, the range [s*S + lo, s*S + hi)."""
+
+    param_set: ParamSet
+    group: int
+    lo: int
+    hi: int
+    members: list[GradOutput]
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclasses.dataclass
+class PassContext:
+    """Everything a pass may read or extend; passes never reach outside it."""
+
+    ownership: Ownership
+    fake_mode: Any
+    overlap: bool = True
+    collective: str = "auto"
+    grads: list[GradOutput] = dataclasses.field(default_factory=list)
+    buckets: list[Bucket] = dataclasses.field(default_factory=list)
+    # bucket index -> node holding this rank's reduced chunk of that bucket
+    reduced: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
+    # order of the sink placeholders appended to the backward graph
+    sinks: list[tuple[ParamSet, int]] = dataclasses.field(default_factory=list)
+    # per engine name: counters the dump reports (buckets, reduce_scatter, bytes, ...)
+    stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+
+    def count(self, engine: str, key: str, amount: int = 1) -> None:
+        self.stats[engine][key] = self.stats[engine].get(key, 0) + amount
+
+    def grads_of(self, param_set: ParamSet, group: int) -> list[GradOutput]:
+        return [g for g in self.grads if g.owned.param_set is param_set and g.owned.group == group]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(gm.graph.find_nodes(op="output")))
+
+
+class Inserter:
+    """Appends nodes after a moving cursor, giving each its fake value and graphzero metadata."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, pass_name: str, after: fx.Node) -> None:
+        self.graph = gm.graph
+        self.ctx = ctx
+        self.pass_name = pass_name
+        self.cursor = after
+
+    def call(self, target, args: tuple, kwargs: dict | None = None, *, engine: str, why: str) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_after(self.cursor):
+            node = self.graph.call_function(target, args, kwargs)
+        self.cursor = node
+        vals, kvals = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (args, kwargs))
+        with self.ctx.fake_mode:
+            node.meta["val"] = target(*vals, **kvals)
+        node.meta["graphzero"] = {"pass": self.pass_name, "engine": engine, "why": why}
+        return node
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device, *, engine: str, why: str) -> fx.Node:
+        return self.call(torch.ops.aten.full.default, ([numel], 0.0),
+                         {"dtype": dtype, "device": device, "pin_memory": False}, engine=engine, why=why)
+
+
+def last_in_order(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.Node:
+    """The node among `nodes` that comes last in the graph (insertion point after all of them)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return max(nodes, key=order.__getitem__)

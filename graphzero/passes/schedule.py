@@ -1,0 +1,28 @@
+"""schedule_overlap: let collectives run while the rest of backward computes.
+
+insert_reduce_scatter issues each bucket's collective right after its last gradient and waits
+immediately. With ``overlap`` on, this pass moves every ``wait_tensor`` graphzero inserted down to
+just before its first user (the accumulation at the end of the graph), so the collective is in
+flight during the remaining backward compute. Inserts nothing. Inductor may reorder further; its
+comm passes recognise the same functional collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ._graph import PassContext
+
+
+def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not ctx.overlap:
+        return gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    waits = [n for n in gm.graph.nodes
+             if n.target is torch.ops._c10d_functional.wait_tensor.default and "graphzero" in n.meta]
+    for wait in waits:
+        first_user = min(wait.users, key=order.__getitem__)
+        first_user.prepend(wait)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

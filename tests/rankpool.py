@@ -1,0 +1,107 @@
+"""A persistent pool of 2 gloo ranks that runs test scenarios.
+
+Spawning ranks and initialising DeepSpeed is slow, so one pool serves the whole session: a test
+sends a module-level function; every rank runs it and sends back its result or traceback. A
+scenario that fails or times out restarts the pool, since its ranks may be stuck in a collective.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+WORLD_SIZE = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+    import torch
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the test process
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            torch._dynamo.reset()
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+class ScenarioFailed(AssertionError):
+    pass
+
+
+class RankPool:
+    def __init__(self, world_size: int = WORLD_SIZE) -> None:
+        self.world_size = world_size
+        self._procs: list = []
+        self._conns: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results or raise with tracebacks."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        results, errors = [], []
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        for rank, conn in enumerate(self._conns):
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if not conn.poll(max(remaining, 0)):
+                errors.append(f"rank {rank}: no answer within {timeout} s")
+                continue
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                errors.append(f"rank {rank}: worker died (exit code {self._procs[rank].exitcode})")
+                continue
+            if status == "ok":
+                results.append(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            self.close(force=True)
+            raise ScenarioFailed(f"{fn.__qualname__} failed:\n" + "\n".join(errors))
+        return results
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not force:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=0 if force else 20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns = [], []
