@@ -60,3 +60,65 @@ def test_gan_discriminator_called_twice(ranks, stage):
 
 def test_gan_eager_inner(ranks):
     ranks.run(gan_scenario, 2, "eager")
+
+
+def chain_loss(models, x):
+    # student -> frozen plain module -> proj -> head, plus an unowned trainable "side" module.
+    h = models["proj"].module(models["frozen"](models["student"].module(x)))
+    return models["head"](h).square().mean() + models["side"](x).square().mean()
+
+
+def ref_chain_loss(models, x):
+    h = models["proj"](models["frozen"](models["student"](x)))
+    return models["head"](h).square().mean() + models["side"](x).square().mean()
+
+
+def chain_scenario(stage: int, gas: int, inner: str, steps: int = 2, bucket: int | None = None) -> dict:
+    """Three engines in a chain with gradient accumulation, a frozen plain module between them,
+    and a trainable module no engine owns (it must get its ordinary, un-reduced .grad)."""
+    rank, world = rank_world()
+    torch.manual_seed(1)
+    S, P, H = mlp(8, 16, 8), mlp(8, 16, 8), mlp(8, 8, 2)
+    frozen, side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    frozen.requires_grad_(False)
+    ref = Reference({"student": S, "proj": P, "head": H})
+    ref_side = __import__("copy").deepcopy(side)
+    cfg = ds_config(stage, gas=gas, bucket=bucket)
+    engines = {"student": engine(S, cfg), "proj": engine(P, cfg), "head": engine(H, cfg)}
+    counter = ReductionCounter(*engines.values())
+    step = torch.compile(chain_loss, backend="graphzero", options={"engines": engines, "inner": inner})
+    models = {**engines, "frozen": frozen, "side": side}
+    for t in range(steps):
+        for micro in range(gas):
+            i = t * gas + micro
+            (x,) = data(i, rank, (4, 8))
+            side.zero_grad(set_to_none=True)
+            step(models, x).backward()
+            assert_no_full_grads(*engines.values())
+            assert frozen.weight.grad is None, "frozen parameter got a gradient"
+            # The unowned module keeps plain autograd semantics: its local (per-rank) gradient.
+            (side_ref_grad,) = torch.autograd.grad(ref_side(x).square().mean(), [ref_side.weight])
+            torch.testing.assert_close(side.weight.grad, side_ref_grad, rtol=1e-5, atol=1e-7)
+            ref.accumulate(lambda m, x: ref_chain_loss({**m, "frozen": frozen, "side": ref_side}, x),
+                           [data(i, r, (4, 8)) for r in range(world)], gas=gas)
+            if micro == gas - 1:
+                for name, eng in engines.items():
+                    assert_grads_close(full_grads(eng), ref.grads(name), **GRAD_TOL, what=f"step {t} {name}")
+            for eng in engines.values():
+                eng.step()
+        ref.step()
+        for name, eng in engines.items():
+            assert_params_close(eng, ref.models[name], **PARAM_TOL, what=f"step {t} {name}")
+            torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
+    assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
+    return {}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_chain_of_three_engines_gas2(ranks, stage):
+    ranks.run(chain_scenario, stage, 2, "inductor")
+
+
+def test_chain_small_buckets_eager(ranks):
+    # A bucket of 64 elements splits every group into several reduce-scatters.
+    ranks.run(chain_scenario, 2, 2, "eager", bucket=64)
