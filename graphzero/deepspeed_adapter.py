@@ -28,6 +28,17 @@ from .ownership import FlatGroup, ParamSet
 log = logging.getLogger("graphzero")
 
 _BINDING_ATTR = "_graphzero_binding"
+# Engine methods shadowed by instance attributes while attached (removed again on detach).
+_ENGINE_OVERRIDES = ("forward", "backward", "_backward_prologue", "_backward_prologue_per_tensor",
+                     "_backward_epilogue")
+
+
+def _noop(*_args) -> None:
+    return None
+
+
+def _identity(grad):
+    return grad
 
 
 def _deepspeed_engine_class() -> type:
@@ -229,10 +240,16 @@ class DeepSpeedBinding:
             # run the backward prologue at run time) and without the timers that break graphs.
             return module(*args, **kwargs)
 
-        self._saved = {"forward": engine.__dict__.get("forward"), "backward": engine.__dict__.get("backward"),
-                       "enable_backward_allreduce": engine.enable_backward_allreduce}
+        self._saved = {name: engine.__dict__.get(name) for name in _ENGINE_OVERRIDES}
+        self._saved["enable_backward_allreduce"] = engine.enable_backward_allreduce
         engine.forward = forward
         engine.backward = types.MethodType(_graphzero_engine_backward, engine)
+        # A DeepSpeed engine.forward already in flight when graphzero attaches (Dynamo runs the
+        # first call's frames one by one until the backend is reached) still registers output
+        # hooks; they look these up at call time and must do nothing (no 1/gas, no epilogue).
+        engine._backward_prologue = _noop
+        engine._backward_prologue_per_tensor = _identity
+        engine._backward_epilogue = _noop
         engine.enable_backward_allreduce = False
         setattr(engine, _BINDING_ATTR, self)
         for group in self.param_set.groups:
@@ -252,7 +269,7 @@ class DeepSpeedBinding:
             for p in group.params:
                 if getattr(p, _BINDING_ATTR, None) is self:
                     delattr(p, _BINDING_ATTR)
-        for attr in ("forward", "backward"):
+        for attr in _ENGINE_OVERRIDES:
             engine.__dict__.pop(attr, None)
             if self._saved.get(attr) is not None:
                 engine.__dict__[attr] = self._saved[attr]

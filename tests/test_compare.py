@@ -1,0 +1,241 @@
+"""Smoke tests for ``graphzero-compare`` (tools/compare.py): tiny workloads on 2 CPU ranks (gloo),
+checked for the report's shape, not for timings."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from graphzero_tools import compare
+from graphzero_tools.bench_models import build_workload, resolve_size
+
+TOP_KEYS = {"schema", "command", "argv", "args", "date", "machine", "workload", "reference",
+            "tolerance", "notes", "runners"}
+MACHINE_KEYS = {"platform", "python", "cpu_count", "torch", "deepspeed"}
+MLP_RUNNERS = ["ddp", "ds-plain-backward", "fsdp2", "graphzero-eager", "deepcompile"]
+STEPS = 2
+
+
+def _compare(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "graphzero_tools.compare", "--tiny", "--world-size", "2",
+           "--warmup", "1", "--no-progress", "--timeout", "60", *args]
+    proc = subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], proc.stderr[-5000:], sep="\n")
+    return proc
+
+
+def _graphzero_import_error() -> str | None:
+    try:
+        importlib.import_module("graphzero")
+    except Exception as e:  # noqa: BLE001  (any import failure: the runner must then report it)
+        return f"{type(e).__name__}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compare_mlp")
+    proc = _compare(tmp, "--model", "mlp", "--stage", "2", "--steps", str(STEPS),
+                    "--runners", ",".join(MLP_RUNNERS), "--json", "out.json", "--plot", "out.png")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return SimpleNamespace(proc=proc, tmp=tmp, result=json.loads((tmp / "out.json").read_text()))
+
+
+def test_json_schema(mlp_run):
+    res = mlp_run.result
+    assert TOP_KEYS <= set(res)
+    assert MACHINE_KEYS <= set(res["machine"])
+    assert res["workload"]["model"] == "mlp" and res["workload"]["world_size"] == 2
+    assert res["workload"]["steps"] == STEPS and res["workload"]["backend"] in ("gloo", "nccl")
+    assert res["reference"] == "ddp"
+    assert "graphzero_tools.compare" in res["command"]
+    assert list(res["runners"]) == MLP_RUNNERS
+    for name, entry in res["runners"].items():
+        assert set(compare.RUNNER_KEYS) <= set(entry), name
+        assert entry["status"] in ("ok", "failed", "skipped"), name
+
+
+def test_ok_runners_have_metrics(mlp_run):
+    runners = mlp_run.result["runners"]
+    for name in ("ddp", "ds-plain-backward", "fsdp2"):
+        e = runners[name]
+        assert e["status"] == "ok", (name, e["error"])
+        s = e["step_ms"]
+        assert s["min"] <= s["median"] <= s["max"] and len(s["all"]) == STEPS
+        assert e["compile_s"] >= 0 and e["first_step_ms"] > 0
+        assert e["grad_bytes"] > 0 and e["optim_bytes"] > 0 and len(e["grad_bytes_per_rank"]) == 2
+        assert e["peak_rss_mib"] > 0
+        assert e["collectives_per_step"] >= 1 and e["bytes_reduced_per_step"] > 0
+        assert e["collectives_by_op"]
+        assert e["max_abs_param_diff"] is not None and e["params_match"] is not None
+        assert len(e["losses"]) == 1 + 1 + STEPS and e["final_loss"] == e["losses"][-1]
+    assert runners["ddp"]["ratio_vs_ddp"] == 1.0 and runners["ddp"]["max_abs_param_diff"] == 0.0
+    assert runners["ds-plain-backward"]["ratio_vs_ds_plain_backward"] == 1.0
+    # Same weights and data: DeepSpeed ZeRO-2 and FSDP2 land on DDP's parameters (fp32, tiny model).
+    assert runners["ds-plain-backward"]["params_match"], runners["ds-plain-backward"]["max_abs_param_diff"]
+    assert runners["fsdp2"]["params_match"], runners["fsdp2"]["max_abs_param_diff"]
+
+
+def test_graphzero_runner_reported(mlp_run):
+    e = mlp_run.result["runners"]["graphzero-eager"]
+    import_error = _graphzero_import_error()
+    if import_error is not None:
+        assert e["status"] == "failed" and e["failed_at"] == "setup"
+        assert e["error"].startswith(import_error), e["error"]
+    elif e["status"] == "failed":  # graphzero imports but this runner raised: the error is reported
+        assert e["error"] and ": " in e["error"] and e["failed_at"]
+    else:
+        assert e["status"] == "ok"
+        assert e["graphs"] >= 1 and e["step_ms"]["median"] > 0 and e["max_abs_param_diff"] is not None
+
+
+def test_deepcompile_skipped_without_cuda(mlp_run):
+    e = mlp_run.result["runners"]["deepcompile"]
+    if mlp_run.result["workload"]["device"] == "cpu":
+        assert e["status"] == "skipped" and e["error"] == "needs CUDA"
+        assert e["step_ms"] is None
+
+
+def test_table_printed(mlp_run):
+    out = mlp_run.proc.stdout
+    assert "| runner" in out and "step ms med [min, max]" in out
+    for name in MLP_RUNNERS:
+        assert f"| {name} " in out, name
+    assert "skipped: needs CUDA" in out or mlp_run.result["workload"]["device"] != "cpu"
+
+
+def test_plot_written(mlp_run):
+    pytest.importorskip("matplotlib")
+    png = mlp_run.tmp / "out.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_runner_is_reported(tmp_path):
+    """The GAN calls the discriminator engine twice in one loss: DeepSpeed eager with a plain
+    loss.backward() raises KeyError: 0 in engine.step(); it is reported, the others continue."""
+    proc = _compare(tmp_path, "--model", "gan", "--steps", "1", "--runners", "ddp,ds-plain-backward",
+                    "--json", "gan.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runners = json.loads((tmp_path / "gan.json").read_text())["runners"]
+    bad = runners["ds-plain-backward"]
+    assert bad["status"] == "failed" and bad["error"].startswith("KeyError"), bad["error"]
+    assert bad["failed_at"].startswith("step 0") and bad["step_ms"] is None
+    assert runners["ddp"]["status"] == "ok" and runners["ddp"]["step_ms"]["median"] > 0
+    assert "failed [1]" in proc.stdout and "ds-plain-backward: failed at step 0" in proc.stdout
+
+
+FLAKY_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from graphzero_tools import bench_runners, compare
+
+class Flaky(bench_runners.DDPRunner):
+    name = "flaky"
+
+    def step(self, micro, before_optimizer=None):
+        if dist.get_rank() == 1:
+            raise ValueError("boom")          # rank 1 fails, rank 0 waits in a collective
+        dist.all_reduce(torch.ones(3))
+        return super().step(micro, before_optimizer)
+
+compare.RUNNERS["flaky"] = Flaky
+sys.exit(compare.main(sys.argv[1:]))
+"""
+
+
+def test_one_rank_failure_does_not_hang_under_torchrun(tmp_path):
+    """Run under torchrun (no self-spawn): a runner that raises on one rank while the other waits in
+    a collective is reported failed once the process-group timeout expires; the run still ends."""
+    script = tmp_path / "flaky_compare.py"
+    script.write_text(FLAKY_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), "--model", "mlp", "--tiny", "--runners", "flaky", "--steps", "1", "--warmup", "1",
+           "--timeout", "5", "--no-progress", "--json", "flaky.json"]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entry = json.loads((tmp_path / "flaky.json").read_text())["runners"]["flaky"]
+    assert entry["status"] == "failed" and entry["failed_at"] == "step 0 (warmup)"
+    assert "rank 1: ValueError: boom" in entry["error"], entry["error"]
+
+
+# --------------------------------------------------------------------- pure functions (no processes)
+
+
+def test_summarize_collectives():
+    ev = [SimpleNamespace(name="gloo:all_reduce", input_shapes=[[10]], input_dtypes=["float"]),
+          SimpleNamespace(name="gloo:all_gather", input_shapes=[[4]], input_dtypes=["c10::BFloat16"]),
+          SimpleNamespace(name="gloo:all_reduce", input_shapes=[[]], input_dtypes=["double"]),
+          SimpleNamespace(name="c10d::allreduce_", input_shapes=[[], []], input_dtypes=[]),
+          SimpleNamespace(name="aten::add", input_shapes=[[3]], input_dtypes=["float"])]
+    s = compare.summarize_collectives(ev, world_size=2)
+    assert s["count"] == 3
+    assert s["by_op"]["all_reduce"] == {"count": 2, "bytes": 48}
+    assert s["bytes_reduced"] == 48 and s["bytes_gathered"] == 16
+
+
+def test_storage_bytes_dedupes_views_and_excludes():
+    import torch
+
+    flat = torch.zeros(100)
+    other = torch.zeros(10)
+    n, keys = compare.storage_bytes([flat[:10], flat[50:], other])
+    assert n == 440 and len(keys) == 2
+    n, _ = compare.storage_bytes([flat[:10], other], exclude={compare._storage_key(flat)})
+    assert n == 40
+
+
+def test_param_diff():
+    import torch
+
+    a = {"w": torch.zeros(3), "b": torch.ones(1)}
+    assert compare.param_diff(a, {"w": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(1)}) == 0.5
+    assert compare.param_diff(a, {"w": torch.zeros(3)}) == float("inf")
+
+
+def test_parse_args_validates():
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--runners", "ddp,nope"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--warmup", "0"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--model", "transformer", "--width", "30", "--heads", "4"])
+    args = compare.parse_args(["--model", "gan", "--runners", "ddp,ddp,fsdp2"])
+    assert args.runners == ["ddp", "fsdp2"] and args.stage == 2 and args.world_size == 2
+
+
+@pytest.mark.parametrize("model", ["mlp", "gan", "chain3", "transformer"])
+def test_workloads_build_and_run(model):
+    import torch
+
+    wl = build_workload(model, resolve_size(model, tiny=True))
+    batch = wl.make_batch(torch.Generator().manual_seed(0))
+    loss = wl.loss(wl.parts, *batch)
+    loss.backward()
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert all(p.grad is not None for part in wl.parts.values() for p in part.parameters())
+    again = build_workload(model, resolve_size(model, tiny=True))
+    for name, part in wl.parts.items():
+        for p, q in zip(part.parameters(), again.parts[name].parameters()):
+            assert torch.equal(p, q)
+
+
+def test_format_table_lists_failures():
+    entry = dict.fromkeys(compare.RUNNER_KEYS)
+    ok = dict(entry, status="ok", step_ms={"median": 2.0, "min": 1.0, "max": 3.0, "all": [1, 2, 3]},
+              ratio_vs_ddp=1.0, compile_s=0.1, grad_bytes=2048, optim_bytes=4096, peak_rss_mib=100.0,
+              step_rss_growth_mib=1.0, collectives_per_step=2, bytes_reduced_per_step=2048,
+              max_abs_param_diff=0.0, params_match=True)
+    bad = dict(entry, status="failed", error="KeyError: 0", failed_at="step 0 (warmup)")
+    result = {"reference": "ddp", "tolerance": 1e-4, "notes": ["a note"],
+              "workload": {"model": "gan", "description": "d", "stage": 2, "dtype": "fp32", "gas": 1,
+                           "world_size": 2, "backend": "gloo", "device": "cpu", "steps": 3, "warmup": 1},
+              "runners": {"ddp": ok, "ds-plain-backward": bad}}
+    text = compare.format_table(result)
+    assert "| ddp " in text and "2.0 [1.0, 3.0]" in text and "2.0 KiB" in text
+    assert "failed [1]" in text and "[1] ds-plain-backward: failed at step 0 (warmup): KeyError: 0" in text
+    assert "- a note" in text
