@@ -106,39 +106,49 @@ class BackwardTransform:
         self.dump.finish(ctx, self.ownership)
         return gm, ctx
 
-    def sink_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
+    def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        return [ph.meta["val"] for ph in placeholders[len(placeholders) - len(ctx.sinks):]]
+        return [ph.meta["val"] for ph in placeholders[len(placeholders) - len(ctx.runtime_inputs):]]
 
     def wrap(self, compiled, ctx: PassContext):
-        if not ctx.sinks:
+        if not ctx.runtime_inputs:
             return compiled
         return BackwardWithSinks(compiled, ctx)
 
 
 class BackwardWithSinks:
-    """Calls a compiled backward with each engine's current shard buffers appended to its args.
+    """Calls a compiled backward with each engine's current shard buffers and averaging factor
+    appended to its args.
 
-    The buffers are fetched per call, not baked in: an optimizer step replaces or zeroes them.
+    Fetched per call, not baked in: an optimizer step replaces or zeroes the buffers, and the
+    factor depends on how this backward was launched.
     """
 
     def __init__(self, compiled, ctx: PassContext) -> None:
         # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
         self._boxed_call = True
         self.compiled = compiled
-        self.sinks = list(ctx.sinks)
+        self.runtime_inputs = list(ctx.runtime_inputs)
         self.param_sets: list[ParamSet] = []
-        for ps, _ in self.sinks:
+        for _, ps, _ in self.runtime_inputs:
             if ps not in self.param_sets:
                 self.param_sets.append(ps)
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
+        self._scale_tensors: dict[float, torch.Tensor] = {}
+
+    def _scale(self, value: float) -> torch.Tensor:
+        if value not in self._scale_tensors:
+            self._scale_tensors[value] = torch.tensor(value, dtype=torch.float32, device=self.device)
+        return self._scale_tensors[value]
 
     def __call__(self, args: list[Any]) -> Any:
-        buffers = {}
+        buffers, scales = {}, {}
         for ps in self.param_sets:
             ps.mark_present(self.present[ps])
             buffers[ps] = ps.sinks()
-        args.extend(buffers[ps][g] for ps, g in self.sinks)
+            scales[ps] = ps.runtime_scale()
+        self.device = buffers[self.param_sets[0]][0].device
+        args.extend(buffers[ps][g] if kind == "sink" else self._scale(scales[ps]) for kind, ps, g in self.runtime_inputs)
         return self.compiled(args)
 
 
@@ -150,7 +160,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
             t.dump.forward(graph)
             return compile_fx_inner(graph, inputs, **kwargs)
         graph, ctx = t.transform(graph, inputs)
-        inputs = list(inputs) + t.sink_example_inputs(graph, ctx)
+        inputs = list(inputs) + t.runtime_example_inputs(graph, ctx)
         return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
-from .ownership import FlatGroup, ParamSet
+from .ownership import FlatGroup, ParamSet, check_same_world
 
 log = logging.getLogger("graphzero")
 
@@ -69,15 +69,14 @@ def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
             if id(p) in claimed and claimed[id(p)] != name:
                 raise OwnershipError(f"parameter {pname!r} is owned by two engines: {claimed[id(p)]!r} and {name!r}")
             claimed[id(p)] = name
-    bindings = []
-    for name, engine in engines:
-        binding = binding_of(engine)
-        if binding is None:
-            binding = DeepSpeedBinding(engine, name)
+    bindings = [binding_of(engine) or DeepSpeedBinding(engine, name) for name, engine in engines]
+    # Engines attached together share one loss, even when a graph break puts them in different
+    # graphs: refuse before changing any of them.
+    check_same_world([b.param_set for b in bindings])
+    for (name, _), binding in zip(engines, bindings):
+        if binding_of(binding.engine) is None:
             binding.install()
-        else:
-            binding.name = name
-        bindings.append(binding)
+        binding.name = binding.param_set.name = name
     return bindings
 
 
@@ -187,7 +186,8 @@ class DeepSpeedBinding:
             group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
             world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
             bucket_numel=int(engine.zero_reduce_bucket_size()), grad_scale=1.0 / (world * gas),
-            backend=str(dist.get_backend(pg)), sinks=self.sinks, mark_present=self.mark_present)
+            backend=str(dist.get_backend(pg)), sinks=self.sinks, mark_present=self.mark_present,
+            runtime_scale=self.runtime_scale)
 
     # -- sinks --------------------------------------------------------------------------------
     def sinks(self) -> list[torch.Tensor]:
@@ -211,6 +211,15 @@ class DeepSpeedBinding:
                 self._installed_groups[i] = group
             out.append(group.flat_partition)
         return out
+
+    def runtime_scale(self) -> float:
+        """1/(world*gas), or 1/world when this backward was started by DeepSpeed's own
+        engine.backward, which has already divided the loss by gas (a first call written as
+        ``engine.backward(step(...))`` looks up ``engine.backward`` before graphzero attaches)."""
+        from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER
+        if _ENGINE_BACKWARD_GRAPH_TRACKER.is_current_graph_registered():
+            return 1.0 / self.param_set.world_size
+        return self.param_set.grad_scale
 
     def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Tell the optimizer these parameters received a gradient (BF16_Optimizer skips unflagged ones)."""
@@ -316,7 +325,7 @@ class DeepSpeedBinding:
         hi = lo + group.shard_numel(ps.world_size)
         a, b = max(start, lo), min(start + n, hi)
         if a < b:
-            sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=ps.grad_scale)
+            sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=self.runtime_scale())
         self.mark_present([param])
         param.grad = None
 

@@ -42,7 +42,7 @@ class ParamSet:
 
     sinks() returns, per group, the tensor this rank accumulates its reduced shard into (the
     buffer the engine's optimizer reads in step()); the adapter zeroes and re-installs it after
-    an optimizer step.
+    an optimizer step. runtime_scale() is the factor for the current backward.
     """
 
     name: str
@@ -59,8 +59,13 @@ class ParamSet:
     backend: str
     sinks: Callable[[], list[torch.Tensor]]
     mark_present: Callable[[Sequence[torch.nn.Parameter]], None] = lambda params: None
+    # The factor applied to this backward's reduced sum: normally grad_scale = 1/(world*gas); the
+    # adapter may say otherwise per call (e.g. the loss was already divided by gas).
+    runtime_scale: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
+        if self.runtime_scale is None:
+            self.runtime_scale = lambda: self.grad_scale
         self._where = {id(p): (g, k) for g, grp in enumerate(self.groups) for k, p in enumerate(grp.params)}
 
     def locate(self, param: torch.Tensor) -> tuple[int, int] | None:
@@ -113,11 +118,11 @@ class Ownership:
                     owned[i] = OwnedInput(i, ps, *where)
                     break
         used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
-        _check_same_world(used)
+        check_same_world(used)
         return cls(owned, used)
 
 
-def _check_same_world(param_sets: Sequence[ParamSet]) -> None:
+def check_same_world(param_sets: Sequence[ParamSet]) -> None:
     # One loss is averaged over the data-parallel ranks; engines that average over different
     # groups sizes would each see a different "global batch".
     sizes = {ps.name: ps.world_size for ps in param_sets}

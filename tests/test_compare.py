@@ -195,6 +195,7 @@ def test_param_diff():
     a = {"w": torch.zeros(3), "b": torch.ones(1)}
     assert compare.param_diff(a, {"w": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(1)}) == 0.5
     assert compare.param_diff(a, {"w": torch.zeros(3)}) == float("inf")
+    assert compare.param_diff(a, {"w": torch.tensor([0.0, float("nan"), 0.0]), "b": torch.ones(1)}) == float("inf")
 
 
 def test_parse_args_validates():

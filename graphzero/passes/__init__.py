@@ -20,7 +20,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # Order matters: each pass relies on what the previous ones put in the context.
 #   annotate_owner -> ctx.grads; bucket -> ctx.buckets; insert_reduce_scatter -> ctx.reduced;
-#   fp32_accumulate -> ctx.sinks (and drops owned grads from the outputs); schedule_overlap moves waits.
+#   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
 
 

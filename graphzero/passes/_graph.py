@@ -53,8 +53,10 @@ class PassContext:
     buckets: list[Bucket] = dataclasses.field(default_factory=list)
     # bucket index -> node holding this rank's reduced chunk of that bucket
     reduced: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
-    # order of the sink placeholders appended to the backward graph
-    sinks: list[tuple[ParamSet, int]] = dataclasses.field(default_factory=list)
+    # placeholders appended to the backward graph, in order, and what the runtime passes for
+    # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
+    # the 0-d fp32 factor for this call
+    runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
     # per engine name: counters the dump reports (buckets, reduce_scatter, bytes, ...)
     stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
 

@@ -1,11 +1,12 @@
 """fp32_accumulate: add each rank's reduced shard into the buffer its engine's optimizer reads.
 
 Per (engine, param group) it appends one placeholder for that buffer (the "sink": a ZeRO
-optimizer's fp32 gradient partition, or BF16_Optimizer's fp32 gradient buffer; the runtime passes
-the real tensor on every call) and inserts, just before the output:
+optimizer's fp32 gradient partition, or BF16_Optimizer's fp32 gradient buffer), per engine one
+for the averaging factor (normally 1/(world*gas)); the runtime passes the real tensors on every
+call. Before the output it inserts:
 
   cat(reduced chunks in shard order, zeros where no bucket landed) -> convert to the accumulation
-  dtype -> multiply by 1/(world*gas) -> add to the sink -> ``aten.copy_`` into the sink.
+  dtype -> multiply by the factor -> add to the sink -> ``aten.copy_`` into the sink.
 
 Inductor fuses the cast, scale and add into one pass over the shard. Finally the owned
 gradients are removed from the graph's outputs (None), so autograd keeps no full-size ``.grad``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..ownership import ParamSet
 from ._graph import Inserter, PassContext, output_node
 
 PASS = "fp32_accumulate"
@@ -32,18 +34,30 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if key not in targets:
             targets.append(key)
     ins = Inserter(gm, ctx, PASS, after=out.prev)
+    scales: dict[ParamSet, fx.Node] = {}
+
+    def placeholder(name: str, val_fn, kind: str, ps: ParamSet, g: int | None, why: str) -> fx.Node:
+        nonlocal anchor
+        with graph.inserting_after(anchor):
+            node = graph.placeholder(name)
+        anchor = node
+        with ctx.fake_mode:
+            node.meta["val"] = val_fn()
+        node.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "why": why}
+        ctx.runtime_inputs.append((kind, ps, g))
+        return node
+
     for ps, g in targets:
         group = ps.groups[g]
         shard = group.shard_numel(ps.world_size)
         device = ctx.grads_of(ps, g)[0].node.meta["val"].device
-        with graph.inserting_after(anchor):
-            sink = graph.placeholder(f"graphzero_sink_{ps.name}_{g}")
-        anchor = sink
-        with ctx.fake_mode:
-            sink.meta["val"] = torch.empty(shard, dtype=ps.accum_dtype, device=device)
-        sink.meta["graphzero"] = {"pass": PASS, "engine": ps.name,
-                                  "why": f"{ps.accum_dtype} gradient shard of param group {g} ({shard} elements)"}
-        ctx.sinks.append((ps, g))
+        sink = placeholder(f"graphzero_sink_{ps.name}_{g}",
+                           lambda: torch.empty(shard, dtype=ps.accum_dtype, device=device), "sink", ps, g,
+                           f"{ps.accum_dtype} gradient shard of param group {g} ({shard} elements)")
+        if ps not in scales:
+            scales[ps] = placeholder(f"graphzero_scale_{ps.name}",
+                                     lambda: torch.empty((), dtype=torch.float32, device=device), "scale", ps, None,
+                                     f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         chunks = sorted(((ctx.buckets[b].lo, ctx.buckets[b].hi, node) for b, node in ctx.reduced.items()
                          if ctx.buckets[b].param_set is ps and ctx.buckets[b].group == g), key=lambda t: t[0])
         pieces, cursor = [], 0
@@ -59,7 +73,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ps.comm_dtype != ps.accum_dtype:
             delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype),
                              engine=ps.name, why=f"upcast reduced shard to {ps.accum_dtype}")
-        delta = ins.call(aten.mul.Tensor, (delta, ps.grad_scale), engine=ps.name,
+        delta = ins.call(aten.mul.Tensor, (delta, scales[ps]), engine=ps.name,
                          why=f"average: 1/(world {ps.world_size} x gas)")
         total = ins.call(aten.add.Tensor, (sink, delta), engine=ps.name, why=f"accumulate into the {ps.accum_dtype} shard")
         ins.call(aten.copy_.default, (sink, total), engine=ps.name, why="write the shard the optimizer reads in step()")
