@@ -1,0 +1,220 @@
+"""Workloads for ``graphzero-compare``: models split into parts (one DeepSpeed engine, DDP wrapper
+or FSDP2 root per part), a loss spanning the parts, and deterministic data.
+
+Every workload is a :class:`Workload`: ``parts`` maps a part name to an ``nn.Module`` holding the
+initial weights (identical on every rank: built from one seed), ``loss(m, *batch)`` computes the
+scalar loss from ``m``, a dict of callables with the same keys (an engine, a DDP module, a compiled
+module...), and ``make_batch(gen)`` draws one micro-batch from a ``torch.Generator``.
+
+| model        | parts               | loss                                                           |
+| ------------ | ------------------- | -------------------------------------------------------------- |
+| mlp          | a, b                | ``mse(b(a(x)), y)``: each part called once                     |
+| gan          | gen, disc           | ``-disc(gen(z)).mean() + disc(real).mean()``: disc called twice |
+| chain3       | a, b, c             | ``mse(c(b(a(x))), y)``                                         |
+| transformer  | body, head          | ``cross_entropy(head(body(tokens)), next tokens)``             |
+
+``mlp``/``chain3`` parts are ``depth`` x (Linear(width, width) + GELU); ``gan`` has a generator of
+that shape and a discriminator of ``depth - 1`` such layers plus Linear(width, 1); ``transformer``
+is a GPT-style stack: token + position embedding, ``depth`` pre-LN blocks (causal self-attention
+with ``heads`` heads, 4x GELU MLP), a final LayerNorm (the ``body`` part), and an untied LM head
+Linear(width, vocab) (the ``head`` part). Losses are computed in fp32 from the parts' outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODELS = ("mlp", "gan", "chain3", "transformer")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Sizes of a workload. ``batch`` is the micro-batch per rank; ``seq``, ``vocab`` and ``heads``
+    are used by ``transformer`` only."""
+
+    width: int
+    depth: int
+    batch: int
+    seq: int = 64
+    vocab: int = 1024
+    heads: int = 4
+
+
+DEFAULT_SIZES: dict[str, ModelSize] = {
+    "mlp": ModelSize(width=512, depth=6, batch=64),
+    "gan": ModelSize(width=512, depth=6, batch=64),
+    "chain3": ModelSize(width=512, depth=4, batch=64),
+    "transformer": ModelSize(width=256, depth=2, batch=8, seq=64, vocab=1024, heads=4),
+}
+
+TINY_SIZES: dict[str, ModelSize] = {
+    "mlp": ModelSize(width=32, depth=2, batch=4),
+    "gan": ModelSize(width=32, depth=2, batch=4),
+    "chain3": ModelSize(width=32, depth=2, batch=4),
+    "transformer": ModelSize(width=32, depth=1, batch=2, seq=8, vocab=64, heads=2),
+}
+
+
+def resolve_size(model: str, tiny: bool = False, **overrides: int | None) -> ModelSize:
+    """The size for ``model``: defaults (or the tiny ones), with every non-None override applied."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    size = (TINY_SIZES if tiny else DEFAULT_SIZES)[model]
+    size = replace(size, **{k: v for k, v in overrides.items() if v is not None})
+    if min(size.width, size.depth, size.batch, size.seq, size.vocab, size.heads) < 1:
+        raise ValueError(f"sizes must be positive: {size}")
+    if model == "gan" and size.depth < 2:
+        raise ValueError("gan needs depth >= 2")
+    if model == "transformer" and size.width % size.heads:
+        raise ValueError(f"transformer width {size.width} is not divisible by heads {size.heads}")
+    return size
+
+
+@dataclass
+class Workload:
+    name: str
+    size: ModelSize
+    parts: dict[str, nn.Module]
+    loss: Callable[..., torch.Tensor]
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, ...]]
+    description: str
+
+    def numel(self) -> dict[str, int]:
+        return {name: sum(p.numel() for p in part.parameters()) for name, part in self.parts.items()}
+
+
+def mlp_stack(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTBody(nn.Module):
+    """Embedding + pre-LN blocks + final LayerNorm; returns hidden states [batch, seq, width]."""
+
+    def __init__(self, size: ModelSize):
+        super().__init__()
+        self.tok = nn.Embedding(size.vocab, size.width)
+        self.pos = nn.Embedding(size.seq, size.width)
+        self.blocks = nn.Sequential(*[Block(size.width, size.heads) for _ in range(size.depth)])
+        self.ln_f = nn.LayerNorm(size.width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.ln_f(self.blocks(self.tok(idx) + self.pos(pos)))
+
+
+def _init_small(module: nn.Module) -> None:
+    """GPT-2 style init for the transformer (normal(0, 0.02), zero biases)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.float() - y.float()).square().mean()
+
+
+def loss_mlp(m, x, y):
+    return _mse(m["b"](m["a"](x)), y)
+
+
+def loss_chain3(m, x, y):
+    return _mse(m["c"](m["b"](m["a"](x))), y)
+
+
+def loss_gan(m, z, real):
+    return -m["disc"](m["gen"](z)).float().mean() + m["disc"](real).float().mean()
+
+
+def loss_transformer(m, idx, targets):
+    logits = m["head"](m["body"](idx)).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
+    """Build the reference parts from ``seed`` (call on every rank: weights come out identical)."""
+    torch.manual_seed(seed)
+    w, b = size.width, size.batch
+
+    def gaussian_pair(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, w, generator=gen), torch.randn(b, w, generator=gen)
+
+    if model == "mlp":
+        parts = {"a": mlp_stack(w, size.depth), "b": mlp_stack(w, size.depth)}
+        return Workload(model, size, parts, loss_mlp, gaussian_pair,
+                        f"2 parts x {size.depth} x (Linear({w},{w})+GELU), loss mse(b(a(x)), y)")
+    if model == "chain3":
+        parts = {k: mlp_stack(w, size.depth) for k in ("a", "b", "c")}
+        return Workload(model, size, parts, loss_chain3, gaussian_pair,
+                        f"3 parts x {size.depth} x (Linear({w},{w})+GELU), loss mse(c(b(a(x))), y)")
+    if model == "gan":
+        disc = nn.Sequential(*mlp_stack(w, size.depth - 1), nn.Linear(w, 1))
+        parts = {"gen": mlp_stack(w, size.depth), "disc": disc}
+        return Workload(model, size, parts, loss_gan, gaussian_pair,
+                        f"gen {size.depth} x (Linear({w},{w})+GELU), disc {size.depth - 1} x (...) + "
+                        f"Linear({w},1), loss -disc(gen(z)).mean() + disc(real).mean()")
+    if model == "transformer":
+        body, head = GPTBody(size), nn.Linear(w, size.vocab, bias=False)
+        _init_small(body)
+        _init_small(head)
+
+        def tokens(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            seq = torch.randint(0, size.vocab, (b, size.seq + 1), generator=gen)
+            return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+        return Workload(model, size, {"body": body, "head": head}, loss_transformer, tokens,
+                        f"GPT body (vocab {size.vocab}, seq {size.seq}, width {w}, {size.depth} blocks, "
+                        f"{size.heads} heads) + LM head, loss cross_entropy(head(body(t)), next t)")
+    raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+
+
+def batch_generator(seed: int, rank: int, round_idx: int, micro: int) -> torch.Generator:
+    """A generator seeded from (seed, rank, round, micro-batch): every runner sees the same data."""
+    mixed = (seed * 1_000_003 + rank * 7_919 + round_idx * 104_729 + micro * 15_485_863) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def bf16_round_(module: nn.Module) -> None:
+    """Round weights to bf16-representable fp32 values, so that a bf16 DeepSpeed engine and an fp32
+    master copy start from exactly the same numbers."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
