@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 
-from . import deepspeed_adapter
+from . import deepspeed_adapter, retrace
 from .dump import GraphDump
 from .options import Options
 from .ownership import Ownership, ParamSet
@@ -31,7 +31,7 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts = Options.parse(options)
     if opts.engines:
         if any(deepspeed_adapter.binding_of(engine) is None for _, engine in opts.engines):
-            deepspeed_adapter.attach(opts.engines)
+            retrace.request(b.param_set for b in deepspeed_adapter.attach(opts.engines))
             _forget_speculation()
             raise RetraceAfterAttach(restart_reason="graphzero attached its engines; re-tracing without "
                                                     "DeepSpeed's forward hooks")
@@ -142,6 +142,7 @@ class BackwardWithSinks:
         return self._scale_tensors[value]
 
     def __call__(self, args: list[Any]) -> Any:
+        retrace.maybe_reset(self.param_sets)
         buffers, scales = {}, {}
         for ps in self.param_sets:
             ps.mark_present(self.present[ps])

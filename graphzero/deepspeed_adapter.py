@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import retrace
 from .errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
 from .ownership import FlatGroup, ParamSet, check_same_world
 
@@ -310,6 +311,7 @@ class DeepSpeedBinding:
         """
         if param.grad is None:
             return
+        retrace.maybe_reset([self.param_set])
         if not self._warned_eager:
             log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
                         "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)

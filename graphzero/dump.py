@@ -13,11 +13,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._logging import trace_structured
 
+from . import retrace
 from .options import Options
 from .ownership import Ownership
 from .passes import PassContext
@@ -40,10 +40,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def graph_breaks() -> int:
-    return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
-
-
 class GraphDump:
     """Writes one compiled graph's stages; `summary.json` is updated once its backward is done."""
 
@@ -52,7 +48,8 @@ class GraphDump:
         self.graph_id = graph_id
         self.inner = inner
         self.passes: list[dict[str, Any]] = []
-        self.breaks_at_compile = graph_breaks()
+        self.breaks_at_compile = retrace.graph_breaks()
+        self.generation = retrace.generation()
         self._stage = 0
 
     @classmethod
@@ -106,7 +103,7 @@ class GraphDump:
                 "world_size": ps.world_size, "collective_group": ps.group_name,
             }
         record = {"id": self.graph_id, "graph_breaks": self.breaks_at_compile, "inner": self.inner,
-                  "passes": self.passes, "engines": engines}
+                  "generation": self.generation, "passes": self.passes, "engines": engines}
         for name, e in engines.items():
             log.info("graph %s engine %r: %d params, %d buckets, %d reduce-scatter, %d all-reduce, %d B/step",
                      self.graph_id, name, e["params"], e["buckets"], e["reduce_scatter"], e["all_reduce"],
@@ -126,8 +123,10 @@ class GraphDump:
         if not summary or summary.get("run_id") != _RUN_ID:
             summary = {"format": FORMAT_VERSION, "graphzero_version": _version(), "run_id": _RUN_ID,
                        "world_size": _world(), "rank": _rank(), "graphs": []}
-        summary["graphs"] = [g for g in summary["graphs"] if g["id"] != record["id"]] + [record]
-        summary["graph_breaks"] = graph_breaks()
+        # Graphs compiled before a re-trace (retrace.py) no longer run: leave them out.
+        summary["graphs"] = [g for g in summary["graphs"]
+                             if g["id"] != record["id"] and g.get("generation", 0) >= record["generation"]] + [record]
+        summary["graph_breaks"] = retrace.graph_breaks()
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, path)

@@ -62,6 +62,8 @@ class ParamSet:
     # The factor applied to this backward's reduced sum: normally grad_scale = 1/(world*gas); the
     # adapter may say otherwise per call (e.g. the loss was already divided by gas).
     runtime_scale: Callable[[], float] | None = None
+    # set when the engine was attached mid-compile; see retrace.py
+    retrace_pending: bool = False
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:
