@@ -162,7 +162,14 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
             return compile_fx_inner(graph, inputs, **kwargs)
         graph, ctx = t.transform(graph, inputs)
         inputs = list(inputs) + t.runtime_example_inputs(graph, ctx)
-        return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
+        patches = {}
+        if t.opts.overlap and ctx.runtime_inputs:
+            # Inductor would otherwise fuse the accumulation into unrelated earlier kernels and
+            # wait on the collective right after issuing it.
+            patches = {"reorder_for_compute_comm_overlap": True,
+                       "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
+        with torch._inductor.config.patch(patches):
+            return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
