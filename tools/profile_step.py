@@ -1,0 +1,141 @@
+"""Where one graphzero step's time goes, next to DDP (run under torchrun, 2 ranks).
+
+    torchrun --standalone --nproc-per-node 2 tools/profile_step.py phases    # forward/backward/step ms, graphzero vs DDP
+    torchrun --standalone --nproc-per-node 2 tools/profile_step.py profile   # torch.profiler table (rank 0)
+    TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \\
+        torchrun --standalone --nproc-per-node 2 tools/profile_step.py compile --mode plain|attach|options
+
+Workload: the `mlp` of graphzero-compare (two engines of 6 x (Linear(512,512) + GELU), batch 64),
+ZeRO-2, fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import graphzero  # noqa: E402
+
+CONFIG = {"train_micro_batch_size_per_gpu": 64, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+          "zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": False}}}
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(512, 512), nn.GELU())])
+
+
+def synced() -> float:
+    dist.barrier()
+    return time.perf_counter()
+
+
+def graphzero_step(a_model, b_model, how: str, collective: str):
+    a = deepspeed.initialize(model=a_model, config=CONFIG)[0]
+    b = deepspeed.initialize(model=b_model, config=CONFIG)[0]
+    options = {"collective": collective}
+    if how == "attach":
+        graphzero.attach(a=a, b=b)
+    else:
+        options["engines"] = {"a": a, "b": b}
+    step = torch.compile(lambda x, y: (b(a(x)) - y).square().mean(), backend="graphzero", options=options)
+    return step, (a, b)
+
+
+def phases(args, x, y) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    A, B = mlp(), mlp()
+    step, engines = graphzero_step(copy.deepcopy(A), copy.deepcopy(B), "attach", args.collective)
+    da, db = DDP(A), DDP(B)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (da, db)]
+    times: dict[str, list[tuple[float, float, float]]] = {"graphzero": [], "ddp": []}
+    for _ in range(args.steps + 4):
+        t0 = synced(); loss = step(x, y); t1 = synced(); loss.backward(); t2 = synced()
+        for e in engines:
+            e.step()
+        times["graphzero"].append((t1 - t0, t2 - t1, synced() - t2))
+        t0 = synced(); loss = (db(da(x)) - y).square().mean(); t1 = synced(); loss.backward(); t2 = synced()
+        for m, o in zip((da, db), opts):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+            o.zero_grad()
+        times["ddp"].append((t1 - t0, t2 - t1, synced() - t2))
+    if dist.get_rank() == 0:
+        for name, rows in times.items():
+            med = [1000 * statistics.median(r[i] for r in rows[4:]) for i in range(3)]
+            print(f"{name:10s} forward {med[0]:.1f} ms  backward {med[1]:.1f} ms  step {med[2]:.1f} ms")
+
+
+def profile(args, x, y) -> None:
+    from torch.profiler import ProfilerActivity, record_function
+    step, engines = graphzero_step(mlp(), mlp(), "attach", args.collective)
+    for _ in range(4):
+        step(x, y).backward()
+        for e in engines:
+            e.step()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            with record_function("graphzero.forward"):
+                loss = step(x, y)
+            with record_function("graphzero.backward"):
+                loss.backward()
+            with record_function("deepspeed.step"):
+                for e in engines:
+                    e.step()
+    if dist.get_rank() == 0:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
+def compile_time(args, x, y) -> None:
+    torch.manual_seed(0)
+    if args.mode == "plain":
+        a, b = mlp(), mlp()
+        step, engines = torch.compile(lambda x, y: (b(a(x)) - y).square().mean()), ()
+    else:
+        step, engines = graphzero_step(mlp(), mlp(), args.mode, args.collective)
+    times = []
+    for _ in range(4):
+        t0 = synced()
+        step(x, y).backward()
+        for e in engines:
+            e.step()
+        times.append(synced() - t0)
+    if dist.get_rank() == 0:
+        print(f"{args.mode}: first two steps {times[0] + times[1]:.2f} s, steady {times[-1]:.3f} s, "
+              f"compile {times[0] + times[1] - 2 * times[-1]:.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["phases", "profile", "compile"])
+    parser.add_argument("--mode", choices=["plain", "attach", "options"], default="attach",
+                        help="compile: plain inductor, graphzero after graphzero.attach(), or engines in options")
+    parser.add_argument("--collective", default="auto", choices=["auto", "reduce_scatter", "all_reduce"])
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    torch.set_default_device(device)
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+    {"phases": phases, "profile": profile, "compile": compile_time}[args.what](args, x, y)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
