@@ -63,21 +63,22 @@ class GraphDump:
                 root = Path(opts.dump_dir)
         return cls(root, graph_id, opts.inner)
 
-    def _write(self, rel: str, text: str) -> None:
+    def _write(self, rel: str, gm: fx.GraphModule) -> None:
+        # Printing a graph costs compile time: only when tracing (tlparse) or dumping asks for it.
         trace_structured("artifact", metadata_fn=lambda: {"name": f"graphzero_{self.graph_id}_{rel}",
-                                                          "encoding": "string"}, payload_fn=lambda: text)
+                                                          "encoding": "string"}, payload_fn=lambda: graph_code(gm))
         if self.root is None:
             return
         path = self.root / self.graph_id / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(graph_code(gm))
 
     def forward(self, gm: fx.GraphModule) -> None:
-        self._write("forward/000_input.py", graph_code(gm))
+        self._write("forward/000_input.py", gm)
 
     def backward_stage(self, name: str, gm: fx.GraphModule) -> None:
         rel = f"backward/{self._stage:03d}_{name}.py"
-        self._write(rel, graph_code(gm))
+        self._write(rel, gm)
         if self._stage > 0:
             inserted = [{"node": n.name, "engine": n.meta["graphzero"]["engine"], "op": str(n.target),
                          "why": n.meta["graphzero"]["why"]}
