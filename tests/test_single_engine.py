@@ -107,3 +107,44 @@ def eager_safety_net_scenario() -> None:
 
 def test_eager_safety_net_and_detach(ranks):
     ranks.run(eager_safety_net_scenario)
+
+
+class Regressor(torch.nn.Module):
+    # A user-defined module: torch 2.13 skips frames of torch.nn's own classes (nn.Sequential),
+    # so ``Sequential.compile()`` would never reach any backend.
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(6, 12, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def attach_then_module_compile_scenario() -> None:
+    """``graphzero.attach`` for code that cannot pass options: ``module.compile(backend=...)``."""
+    rank, world = rank_world()
+    torch.manual_seed(6)
+    M = Regressor()
+    ref = Reference({"m": M})
+    gz = engine(M, ds_config(1))
+    graphzero.attach(gz)
+    gz.module.compile(backend="graphzero")
+    counter = ReductionCounter(gz)
+    try:
+        for t in range(2):
+            regression_loss(gz, *data(t, rank, (5, 6), (5, 3))).backward()
+            assert_no_full_grads(gz)
+            ref.accumulate(lambda m, x, y: regression_loss(m["m"], x, y), [data(t, r, (5, 6), (5, 3)) for r in range(world)])
+            assert_grads_close(full_grads(gz), ref.grads("m"), rtol=1e-4, atol=1e-6, what=f"step {t}")
+            gz.step()
+            ref.step()
+            assert_params_close(gz, ref.models["m"], rtol=1e-4, atol=1e-5, what=f"step {t}")
+        assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
+        # Every gradient came through the compiled graph, none through the eager safety net.
+        assert not gz._graphzero_binding._warned_eager
+    finally:
+        graphzero.detach(gz)
+
+
+def test_attach_then_module_compile(ranks):
+    ranks.run(attach_then_module_compile_scenario)
