@@ -113,10 +113,10 @@ class BackwardTransform:
     def wrap(self, compiled, ctx: PassContext):
         if not ctx.runtime_inputs:
             return compiled
-        return BackwardWithSinks(compiled, ctx)
+        return BackwardWithRuntimeInputs(compiled, ctx)
 
 
-class BackwardWithSinks:
+class BackwardWithRuntimeInputs:
     """Calls a compiled backward with each engine's current shard buffers and averaging factor
     appended to its args.
 
@@ -134,6 +134,7 @@ class BackwardWithSinks:
             if ps not in self.param_sets:
                 self.param_sets.append(ps)
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
+        self.device = self.param_sets[0].groups[0].params[0].device
         self._scale_tensors: dict[float, torch.Tensor] = {}
 
     def _scale(self, value: float) -> torch.Tensor:
@@ -148,7 +149,6 @@ class BackwardWithSinks:
             ps.mark_present(self.present[ps])
             buffers[ps] = ps.sinks()
             scales[ps] = ps.runtime_scale()
-        self.device = buffers[self.param_sets[0]][0].device
         args.extend(buffers[ps][g] if kind == "sink" else self._scale(scales[ps]) for kind, ps, g in self.runtime_inputs)
         return self.compiled(args)
 
