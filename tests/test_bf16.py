@@ -19,12 +19,12 @@ def gan_loss(models, z, real):
     return -models["disc"](models["gen"](z)).mean() + models["disc"](real).mean()
 
 
-def bf16_scenario(stage: int, gas: int, steps: int = 2) -> dict:
+def bf16_scenario(stage: int, gas: int, steps: int = 2, bucket: int | None = None) -> dict:
     rank, world = rank_world()
     torch.manual_seed(2)
     G, D = mlp(8, 32, 8).to(torch.bfloat16), mlp(8, 32, 1).to(torch.bfloat16)
     ref = Reference({"gen": G, "disc": D}, dtype=torch.float32)
-    cfg = ds_config(stage, gas=gas, dtype="bf16")
+    cfg = ds_config(stage, gas=gas, dtype="bf16", bucket=bucket)
     gen, disc = engine(G, cfg), engine(D, cfg)
     kinds = {type(gen.optimizer).__name__}
     counter = ReductionCounter(gen, disc)
@@ -51,7 +51,8 @@ def bf16_scenario(stage: int, gas: int, steps: int = 2) -> dict:
     return {"optimizer": sorted(kinds)}
 
 
-@pytest.mark.parametrize("stage,optimizer", [(1, "BF16_Optimizer"), (2, "DeepSpeedZeroOptimizer")])
-def test_two_bf16_engines_fp32_accumulation(ranks, stage, optimizer):
-    results = ranks.run(bf16_scenario, stage, 2)
+@pytest.mark.parametrize("stage,optimizer,bucket", [(1, "BF16_Optimizer", None), (2, "DeepSpeedZeroOptimizer", None),
+                                                    (1, "BF16_Optimizer", 100)])
+def test_two_bf16_engines_fp32_accumulation(ranks, stage, optimizer, bucket):
+    results = ranks.run(bf16_scenario, stage, 2, bucket=bucket)
     assert results[0]["optimizer"] == [optimizer]

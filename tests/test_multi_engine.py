@@ -22,12 +22,14 @@ def gan_loss(models, z, real):
     return -disc(gen(z)).mean() + disc(real).mean()
 
 
-def gan_scenario(stage: int, inner: str, steps: int = 3, gas: int = 1) -> dict:
+def gan_scenario(stage: int, inner: str, steps: int = 3, gas: int = 1, hidden: int = 16,
+                 bucket: int | None = None) -> dict:
     rank, world = rank_world()
     torch.manual_seed(0)
-    G, D = mlp(8, 16, 8), mlp(8, 16, 1)
+    G, D = mlp(8, hidden, 8), mlp(8, hidden, 1)
     ref = Reference({"gen": G, "disc": D})
-    gen, disc = engine(G, ds_config(stage, gas=gas)), engine(D, ds_config(stage, gas=gas))
+    cfg = ds_config(stage, gas=gas, bucket=bucket)
+    gen, disc = engine(G, cfg), engine(D, cfg)
     counter = ReductionCounter(gen, disc)
     # The discriminator engine is called twice: DeepSpeed eager fails this with KeyError: 0.
     step = torch.compile(gan_loss, backend="graphzero",
@@ -63,6 +65,13 @@ def test_gan_discriminator_called_twice(ranks, stage):
 
 def test_gan_eager_inner_gas2(ranks):
     ranks.run(gan_scenario, 2, "eager", gas=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_odd_sizes_and_buckets_cutting_parameters(ranks, stage):
+    # 13 hidden units: odd parameter sizes, alignment padding between parameters and at the tail;
+    # 37-element buckets cut parameters and shards at arbitrary points.
+    ranks.run(gan_scenario, stage, "inductor", steps=2, hidden=13, bucket=37)
 
 
 def chain_loss(models, x):
