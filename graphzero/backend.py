@@ -18,6 +18,7 @@ from torch._guards import detect_fake_mode
 
 from . import deepspeed_adapter, retrace
 from .dump import GraphDump
+from .errors import GraphZeroError, UnsupportedConfigError
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import PassContext, run_pipeline
@@ -29,9 +30,15 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
                       **_unused: Any):
     """torch.compile backend entry point (``backend="graphzero"``)."""
     opts = Options.parse(options)
+    if torch._dynamo.config.compiled_autograd:
+        # Compiled autograd traces AOT's untransformed backward module: graphzero's passes would
+        # never run and every owned gradient would take the slow eager safety net.
+        raise UnsupportedConfigError("torch._dynamo.config.compiled_autograd=True is not supported with graphzero")
     if opts.engines:
-        if any(deepspeed_adapter.binding_of(engine) is None for _, engine in opts.engines):
-            retrace.request(b.param_set for b in deepspeed_adapter.attach(opts.engines))
+        new = [engine for _, engine in opts.engines if deepspeed_adapter.binding_of(engine) is None]
+        if new:
+            bindings = deepspeed_adapter.attach(opts.engines)
+            retrace.request(b.param_set for b in bindings if b.engine in new)
             _forget_speculation()
             raise RetraceAfterAttach(restart_reason="graphzero attached its engines; re-tracing without "
                                                     "DeepSpeed's forward hooks")
@@ -46,7 +53,7 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     transform = BackwardTransform(ownership, opts, dump)
     # An AOT-autograd cache hit would replay a backward without the sink arguments the runtime
     # wrapper supplies, so this backend's graphs never go through that cache.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
         if opts.inner == "eager":
             return _compile_eager(gm, example_inputs, transform)
         return _compile_inductor(gm, example_inputs, transform)
@@ -99,7 +106,8 @@ class BackwardTransform:
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-        ctx = PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective)
+        ctx = PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
+                          bucket_size=self.opts.bucket_size)
         self.dump.backward_stage("input", gm)
         if self.ownership.inputs:
             gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage)
@@ -143,6 +151,10 @@ class BackwardWithRuntimeInputs:
         return self._scale_tensors[value]
 
     def __call__(self, args: list[Any]) -> Any:
+        detached = [ps.name for ps in self.param_sets if ps.detached]
+        if detached:
+            raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
+                                 "call torch._dynamo.reset() or compile the step again")
         retrace.maybe_reset(self.param_sets)
         buffers, scales = {}, {}
         for ps in self.param_sets:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,7 @@ log = logging.getLogger("graphzero")
 _BINDING_ATTR = "_graphzero_binding"
 # Engine methods shadowed by instance attributes while attached (removed again on detach).
 _ENGINE_OVERRIDES = ("forward", "backward", "_backward_prologue", "_backward_prologue_per_tensor",
-                     "_backward_epilogue")
+                     "_backward_epilogue", "zero_grad")
 
 
 def _noop(*_args) -> None:
@@ -116,6 +117,12 @@ def _check_config(name: str, engine) -> None:
         raise unsupported("MoE layers", "expert-parallel gradient groups")
     if getattr(engine, "pipeline_parallelism", False):
         raise unsupported("PipelineModule", "pipeline parallelism")
+    if not getattr(engine, "gradient_average", True):
+        raise unsupported("gradient_allreduce_op=sum", "graphzero averages over the data-parallel group")
+    if getattr(engine, "sequence_parallel_size", 1) > 1:
+        raise unsupported("sequence_parallel_size>1", "sequence-parallel gradient averaging")
+    if getattr(engine, "is_deepcompile_enabled", lambda: False)():
+        raise unsupported("compile.deepcompile", "DeepCompile owns the same gradients")
     kind = _optimizer_kind(engine)
     if kind is None:
         raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
@@ -144,7 +151,8 @@ class DeepSpeedBinding:
         self.engine = engine
         self.name = name
         self.kind = _optimizer_kind(engine)
-        self._installed_groups: dict[int, object] = {}
+        # weak: a group step() consumed must not be kept alive until the next backward
+        self._installed_groups: dict[int, weakref.ref] = {}
         self._saved: dict[str, object] = {}
         self._eager_hooks: list = []
         self._warned_eager = False
@@ -155,8 +163,8 @@ class DeepSpeedBinding:
         engine, opt = self.engine, self.engine.optimizer
         names = {id(p): n for n, p in engine.module.named_parameters()}
         groups = []
+        pgs = opt.real_dp_process_group
         if self.kind == "zero":
-            pgs = opt.real_dp_process_group
             for i, params in enumerate(opt.round_robin_bit16_groups):
                 groups.append(FlatGroup(
                     params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
@@ -164,12 +172,10 @@ class DeepSpeedBinding:
                     numel=int(opt.bit16_groups_flat[i].numel()), sharded=True))
             accum_dtype = opt.gradient_accumulation_dtype
         else:
-            pgs = opt.real_dp_process_group
             for i, params in enumerate(opt.bf16_groups):
-                offsets, o = [], 0
-                for p in params:
-                    offsets.append(o)
-                    o += p.numel()
+                # Offsets of DeepSpeed's own per-parameter views into its flat fp32 gradient buffer.
+                flat = opt.fp32_groups_gradients_flat[i]
+                offsets = [v.storage_offset() - flat.storage_offset() for v in opt.fp32_groups_gradients[i]]
                 groups.append(FlatGroup(
                     params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
                     offsets=tuple(offsets), numel=int(opt.bf16_groups_flat[i].numel()), sharded=False))
@@ -181,12 +187,12 @@ class DeepSpeedBinding:
         rank = dist.get_rank(group=pg)
         if rank < 0:
             raise UnsupportedConfigError(f"engine {self.name!r}: this rank is not in its data-parallel group")
-        gas = engine.gradient_accumulation_steps()
         return ParamSet(
             name=self.name, stage=engine.zero_optimization_stage(), groups=tuple(groups), process_group=pg,
             group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
             world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
-            bucket_numel=int(engine.zero_reduce_bucket_size()), grad_scale=1.0 / (world * gas),
+            bucket_numel=int(engine.zero_reduce_bucket_size()),
+            grad_scale=1.0 / (world * engine.gradient_accumulation_steps()),
             backend=str(dist.get_backend(pg)), sinks=self.sinks, mark_present=self.mark_present,
             runtime_scale=self.runtime_scale)
 
@@ -206,21 +212,35 @@ class DeepSpeedBinding:
         out = []
         for i in range(len(self.param_set.groups)):
             group = opt.averaged_gradients.get(i)
-            if group is None or group is not self._installed_groups.get(i):
+            if group is None or group is not self._installed(i):
                 group = opt._build_compact_grad_partition_buffer(i)
                 opt.averaged_gradients[i] = group
-                self._installed_groups[i] = group
+                self._installed_groups[i] = weakref.ref(group)
             out.append(group.flat_partition)
         return out
+
+    def _installed(self, i: int):
+        ref = self._installed_groups.get(i)
+        return ref() if ref is not None else None
+
+    def drop_sinks(self) -> None:
+        """Forget the accumulated shards (``zero_grad``): the next backward starts from zeros."""
+        opt = self.engine.optimizer
+        for i in list(self._installed_groups):
+            if opt.averaged_gradients.get(i) is self._installed(i):
+                opt.averaged_gradients[i] = None
+        self._installed_groups.clear()
 
     def runtime_scale(self) -> float:
         """1/(world*gas), or 1/world when this backward was started by DeepSpeed's own
         engine.backward, which has already divided the loss by gas (a first call written as
         ``engine.backward(step(...))`` looks up ``engine.backward`` before graphzero attaches)."""
         from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER
+        world = self.param_set.world_size
         if _ENGINE_BACKWARD_GRAPH_TRACKER.is_current_graph_registered():
-            return 1.0 / self.param_set.world_size
-        return self.param_set.grad_scale
+            return 1.0 / world
+        # Read per call: set_train_batch_size() may change gas between steps.
+        return 1.0 / (world * self.engine.gradient_accumulation_steps())
 
     def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Tell the optimizer these parameters received a gradient (BF16_Optimizer skips unflagged ones)."""
@@ -235,6 +255,7 @@ class DeepSpeedBinding:
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
         engine, opt = self.engine, self.engine.optimizer
+        self._had_grad_acc_hooks = bool(opt._grad_acc_hooks)
         for h in opt._grad_acc_hooks:
             h.remove()
         opt._grad_acc_hooks.clear()
@@ -261,6 +282,20 @@ class DeepSpeedBinding:
         engine._backward_prologue_per_tensor = _identity
         engine._backward_epilogue = _noop
         engine.enable_backward_allreduce = False
+        # zero_grad must clear what graphzero accumulated, as it clears .grad under DeepSpeed eager
+        # (e.g. a two-phase GAN step whose generator loss also reached the discriminator).
+        engine_zero_grad, optimizer_zero_grad = engine.zero_grad, opt.zero_grad
+
+        def zero_engine(*args, **kwargs):
+            engine_zero_grad(*args, **kwargs)
+            self.drop_sinks()
+
+        def zero_optimizer(*args, **kwargs):
+            optimizer_zero_grad(*args, **kwargs)
+            self.drop_sinks()
+
+        engine.zero_grad = zero_engine
+        opt.zero_grad = zero_optimizer
         setattr(engine, _BINDING_ATTR, self)
         for group in self.param_set.groups:
             for p in group.params:
@@ -288,17 +323,19 @@ class DeepSpeedBinding:
             engine.module_forward_pre_hook = engine._create_module_forward_pre_hook()
         if engine.module_forward_post_hook is None:
             engine.module_forward_post_hook = engine._create_module_forward_post_hook()
-        if self.kind == "bf16":
-            if opt.immediate_grad_update:
+        opt.__dict__.pop("zero_grad", None)
+        if self._had_grad_acc_hooks:
+            if self.kind == "bf16":
                 opt.create_grad_acc_hooks()
-        else:
-            opt.create_gradient_handling_hooks()
-        for i, group in self._installed_groups.items():
-            if opt.averaged_gradients.get(i) is group:
-                opt.averaged_gradients[i] = None
-        self._installed_groups.clear()
+            else:
+                opt.create_gradient_handling_hooks()
+        self.drop_sinks()
         if getattr(engine, _BINDING_ATTR, None) is self:
             delattr(engine, _BINDING_ATTR)
+        # Graphs compiled while attached still own these parameters: they refuse to run
+        # (ParamSet.detached), and Dynamo compiles the step again on its next call.
+        self.param_set.detached = True
+        torch._dynamo.reset_code_caches()
 
     # -- safety net for gradients computed outside graphzero's graphs ---------------------------
     @torch.no_grad()

@@ -70,8 +70,11 @@ class GraphDump:
         if self.root is None:
             return
         path = self.root / self.graph_id / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(graph_code(gm))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(graph_code(gm))
+        except OSError as e:  # only rank 0 writes: an error here must not desync the ranks
+            log.warning("graphzero dump: cannot write %s: %s", path, e)
 
     def forward(self, gm: fx.GraphModule) -> None:
         self._write("forward/000_input.py", gm)
@@ -90,8 +93,9 @@ class GraphDump:
         engines = {}
         for ps in ownership.param_sets:
             owned = [o for o in ownership.inputs.values() if o.param_set is ps]
-            stats = ctx.stats.get(ps.name, {})
-            engines[ps.name] = {
+            stats = ctx.stats.get(ps, {})
+            name = ps.name if ps.name not in engines else f"{ps.name}#{len(engines)}"
+            engines[name] = {
                 "stage": ps.stage, "params": len(owned), "numel": sum(o.param.numel() for o in owned),
                 "buckets": stats.get("buckets", 0), "reduce_scatter": stats.get("reduce_scatter", 0),
                 "all_reduce": stats.get("all_reduce", 0), "all_gather": stats.get("all_gather", 0),
@@ -110,7 +114,10 @@ class GraphDump:
                      self.graph_id, name, e["params"], e["buckets"], e["reduce_scatter"], e["all_reduce"],
                      e["comm_bytes_per_step"])
         if self.root is not None:
-            self._update_summary(record)
+            try:
+                self._update_summary(record)
+            except OSError as e:
+                log.warning("graphzero dump: cannot write the summary under %s: %s", self.root, e)
         return record
 
     def _update_summary(self, record: dict[str, Any]) -> None:

@@ -64,6 +64,8 @@ class ParamSet:
     runtime_scale: Callable[[], float] | None = None
     # set when the engine was attached mid-compile; see retrace.py
     retrace_pending: bool = False
+    # set by detach: graphs compiled while attached must not run any more
+    detached: bool = False
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:
@@ -127,8 +129,7 @@ class Ownership:
 def check_same_world(param_sets: Sequence[ParamSet]) -> None:
     # One loss is averaged over the data-parallel ranks; engines that average over different
     # groups sizes would each see a different "global batch".
-    sizes = {ps.name: ps.world_size for ps in param_sets}
-    if len(set(sizes.values())) > 1:
+    if len({ps.world_size for ps in param_sets}) > 1:
         raise WorldMismatchError(
             "engines in one compiled graph must share a data-parallel world size, got "
-            + ", ".join(f"engine {n!r}: {s}" for n, s in sizes.items()))
+            + ", ".join(f"engine {ps.name!r}: {ps.world_size}" for ps in param_sets))

@@ -148,3 +148,56 @@ def attach_then_module_compile_scenario() -> None:
 
 def test_attach_then_module_compile(ranks):
     ranks.run(attach_then_module_compile_scenario)
+
+
+class Transposed(torch.nn.Module):
+    """Uses its weight through ``.t()``: AOT returns that gradient non-contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.E = torch.nn.Parameter(torch.randn(24, 6) / 6)
+        self.head = torch.nn.Linear(24, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x @ self.E.t()))
+
+
+def lifecycle_scenario() -> dict:
+    """``bucket_size`` splits the reduction, non-contiguous gradients, ``zero_grad`` clears what was
+    accumulated (as it clears ``.grad`` under DeepSpeed eager), and a graph compiled before
+    ``detach`` refuses to run afterwards."""
+    rank, world = rank_world()
+    torch.manual_seed(7)
+    M = Transposed()
+    ref = Reference({"m": M})
+    gz = engine(M, ds_config(2, gas=2))
+    path = [tempfile.mkdtemp(prefix="graphzero-dump-") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    step = torch.compile(regression_loss, backend="graphzero",
+                         options={"engines": {"m": gz}, "bucket_size": 40, "dump_dir": path[0]})
+    # A micro-batch whose gradients are then thrown away by zero_grad.
+    step(gz, *data(50, rank, (5, 6), (5, 3))).backward()
+    gz.zero_grad()
+    for micro in range(2):
+        step(gz, *data(micro, rank, (5, 6), (5, 3))).backward()
+        ref.accumulate(lambda m, x, y: regression_loss(m["m"], x, y),
+                       [data(micro, r, (5, 6), (5, 3)) for r in range(world)], gas=2)
+        gz.step()
+    ref.step()
+    assert_params_close(gz, ref.models["m"], rtol=1e-4, atol=1e-5, what="after zero_grad and one step")
+    loss = step(gz, *data(3, rank, (5, 6), (5, 3)))
+    graphzero.detach(gz)
+    with pytest.raises(graphzero.GraphZeroError, match="detached"):
+        loss.backward()
+    dist.barrier()
+    buckets = None
+    if rank == 0:
+        summary = __import__("json").loads((__import__("pathlib").Path(path[0]) / "summary.json").read_text())
+        buckets = summary["graphs"][-1]["engines"]["m"]["buckets"]
+    return {"buckets": buckets, "numel": sum(p.numel() for p in M.parameters())}
+
+
+def test_bucket_size_zero_grad_noncontiguous_and_detach(ranks):
+    result = ranks.run(lifecycle_scenario)[0]
+    # 40 elements per bucket over 2 shards: ceil((numel / 2) / 20) buckets.
+    assert result["buckets"] >= result["numel"] // 40, result

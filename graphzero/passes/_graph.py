@@ -49,6 +49,7 @@ class PassContext:
     fake_mode: Any
     overlap: bool = True
     collective: str = "auto"
+    bucket_size: int | None = None   # elements per collective; None: each engine's own setting
     grads: list[GradOutput] = dataclasses.field(default_factory=list)
     buckets: list[Bucket] = dataclasses.field(default_factory=list)
     # bucket index -> node holding this rank's reduced chunk of that bucket
@@ -57,11 +58,11 @@ class PassContext:
     # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
     # the 0-d fp32 factor for this call
     runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
-    # per engine name: counters the dump reports (buckets, reduce_scatter, bytes, ...)
-    stats: dict[str, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    # per ParamSet (by identity: two engines may share a name): counters the dump reports
+    stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
 
-    def count(self, engine: str, key: str, amount: int = 1) -> None:
-        self.stats[engine][key] = self.stats[engine].get(key, 0) + amount
+    def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
+        self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount
 
     def grads_of(self, param_set: ParamSet, group: int) -> list[GradOutput]:
         return [g for g in self.grads if g.owned.param_set is param_set and g.owned.group == group]

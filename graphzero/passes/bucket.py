@@ -6,8 +6,9 @@ A flat group of S elements per shard is cut into chunks [lo, hi) of at most
 hands each rank exactly chunk b of its own shard: the layout DeepSpeed's optimizer reads, with
 no padding and no all-to-all, whatever the bucket size.
 
-Buckets are ordered from the end of the shards to the start: parameters late in the flat order
-are usually the first whose gradients exist in backward. The order is the same on every rank.
+Buckets are listed from the end of the shards to the start (parameters late in the flat order
+usually get their gradients first); each collective is then placed right after the last gradient
+it needs. The graph, hence the order of collectives, is the same on every rank.
 Buckets in which no gradient of this graph lands (e.g. after a graph break) are dropped.
 """
 from __future__ import annotations
@@ -37,12 +38,12 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if not ctx.grads_of(ps, g):
                 continue
             shard, nshards = group.shard_numel(ps.world_size), group.num_shards(ps.world_size)
-            chunk = max(1, ps.bucket_numel // nshards)
+            chunk = max(1, (ctx.bucket_size or ps.bucket_numel) // nshards)
             n_chunks = math.ceil(shard / chunk)
             for c in reversed(range(n_chunks)):
                 lo, hi = c * chunk, min(shard, (c + 1) * chunk)
                 members = _members(ctx, ps, g, lo, hi)
                 if members:
                     ctx.buckets.append(Bucket(ps, g, lo, hi, members))
-                    ctx.count(ps.name, "buckets")
+                    ctx.count(ps, "buckets")
     return gm

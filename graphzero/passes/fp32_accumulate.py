@@ -29,7 +29,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     placeholders = list(graph.find_nodes(op="placeholder"))
     anchor = placeholders[-1]
     targets = []
-    for b, bucket in enumerate(ctx.buckets):
+    for bucket in ctx.buckets:
         key = (bucket.param_set, bucket.group)
         if key not in targets:
             targets.append(key)
@@ -77,7 +77,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                          why=f"average: 1/(world {ps.world_size} x gas)")
         total = ins.call(aten.add.Tensor, (sink, delta), engine=ps.name, why=f"accumulate into the {ps.accum_dtype} shard")
         ins.call(aten.copy_.default, (sink, total), engine=ps.name, why="write the shard the optimizer reads in step()")
-        ctx.count(ps.name, "fp32_accumulate", len(ctx.grads_of(ps, g)))
+        ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
     values = list(out.args[0])
     for grad in ctx.grads:
         values[grad.slot] = None

@@ -10,7 +10,8 @@ overlap the rest of backward):
 Sharded groups (ZeRO optimizer partitions) use a reduce-scatter, or, with
 ``collective="all_reduce"`` (the "auto" choice on gloo, where it measured cheaper), an all-reduce
 followed by a slice of this rank's chunk: each rank still keeps only its shard. Groups every rank
-keeps whole (BF16_Optimizer) use an all-reduce. Scaling by 1/(world*gas) happens later, in fp32.
+keeps whole (BF16_Optimizer) use an all-reduce. Scaling by 1/(world*gas) happens later, in the
+accumulation dtype (fp32_accumulate).
 Functional collectives rather than custom ops: inductor's comm passes recognise them.
 """
 from __future__ import annotations
@@ -89,7 +90,9 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             if x.meta["val"].dtype != ps.comm_dtype:
                 x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.comm_dtype), engine=ps.name,
                              why=f"cast grad of {m.owned.qualname} to the communication dtype {ps.comm_dtype}")
-            flat[m.slot] = ins.call(aten.view.default, (x, [-1]), engine=ps.name,
+            # reshape, not view: a gradient may come out non-contiguous (a parameter used
+            # through .t(), a channels_last weight)
+            flat[m.slot] = ins.call(aten.reshape.default, (x, [-1]), engine=ps.name,
                                     why=f"flatten grad of {m.owned.qualname}")
         inp = _bucket_input(ins, ctx, b, bucket, flat)
         numel = inp.meta["val"].numel()
@@ -101,16 +104,16 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
                 c = bucket.chunk_numel
                 out = ins.call(aten.slice.Tensor, (out, 0, ps.rank * c, (ps.rank + 1) * c), engine=ps.name,
                                why=f"keep only this rank's chunk of bucket {b}")
-            ctx.count(ps.name, "all_reduce")
+            ctx.count(ps, "all_reduce")
         else:
             coll = ins.call(c10d.reduce_scatter_tensor.default, (inp, "sum", ps.world_size, ps.group_name),
                             engine=ps.name, why=f"reduce-scatter bucket {b} ({numel} elements) over {ps.world_size} ranks")
             out = ins.call(c10d.wait_tensor.default, (coll,), engine=ps.name, why=f"wait for bucket {b}")
-            ctx.count(ps.name, "reduce_scatter")
+            ctx.count(ps, "reduce_scatter")
         nbytes = numel * inp.meta["val"].element_size()
-        ctx.count(ps.name, "comm_bytes_per_step", nbytes)
-        ctx.stats[ps.name].setdefault("comm_bytes_by_dtype", {})
+        ctx.count(ps, "comm_bytes_per_step", nbytes)
+        by_dtype = ctx.stats[ps].setdefault("comm_bytes_by_dtype", {})
         key = str(ps.comm_dtype).removeprefix("torch.")
-        ctx.stats[ps.name]["comm_bytes_by_dtype"][key] = ctx.stats[ps.name]["comm_bytes_by_dtype"].get(key, 0) + nbytes
+        by_dtype[key] = by_dtype.get(key, 0) + nbytes
         ctx.reduced[b] = out
     return gm

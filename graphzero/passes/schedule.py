@@ -21,8 +21,17 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     waits = [n for n in gm.graph.nodes
              if n.target is torch.ops._c10d_functional.wait_tensor.default and "graphzero" in n.meta]
     for wait in waits:
-        first_user = min(wait.users, key=order.__getitem__)
-        first_user.prepend(wait)
+        # The wait moves together with what graphzero chained onto it alone (the slice that keeps
+        # this rank's chunk of an all-reduce), or nothing would move.
+        chain = [wait]
+        while len(chain[-1].users) == 1:
+            (user,) = chain[-1].users
+            if user.meta.get("graphzero", {}).get("pass") != "insert_reduce_scatter":
+                break
+            chain.append(user)
+        first_user = min(chain[-1].users, key=order.__getitem__)
+        for node in chain:
+            first_user.prepend(node)
     gm.graph.lint()
     gm.recompile()
     return gm
