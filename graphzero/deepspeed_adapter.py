@@ -56,7 +56,7 @@ def binding_of(obj: object) -> DeepSpeedBinding | None:
 def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
     """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any."""
     engine_cls = _deepspeed_engine_class()
-    claimed: dict[int, str] = {}
+    bindings = []
     for name, engine in engines:
         if not isinstance(engine, engine_cls):
             raise NotAnEngineError(
@@ -64,14 +64,18 @@ def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
                 "engine: pass the engine returned by deepspeed.initialize()")
         if binding_of(engine) is None:
             _check_config(name, engine)
-        for pname, p in _trainable(engine):
-            owner = binding_of(p)
-            if owner is not None and owner.engine is not engine:
-                raise OwnershipError(f"parameter {pname!r} is owned by two engines: {owner.name!r} and {name!r}")
-            if id(p) in claimed and claimed[id(p)] != name:
-                raise OwnershipError(f"parameter {pname!r} is owned by two engines: {claimed[id(p)]!r} and {name!r}")
-            claimed[id(p)] = name
-    bindings = [binding_of(engine) or DeepSpeedBinding(engine, name) for name, engine in engines]
+        bindings.append(binding_of(engine) or DeepSpeedBinding(engine, name))
+    # Ownership is what each engine's optimizer updates (a parameter that requires grad but is in
+    # no param group of this engine is not its to reduce).
+    claimed: dict[int, str] = {}
+    for (name, engine), binding in zip(engines, bindings):
+        for group in binding.param_set.groups:
+            for pname, p in zip(group.names, group.params):
+                owner = binding_of(p)
+                other = owner.name if owner is not None and owner.engine is not engine else claimed.get(id(p))
+                if other is not None and other != name:
+                    raise OwnershipError(f"parameter {pname!r} is owned by two engines: {other!r} and {name!r}")
+                claimed[id(p)] = name
     # Engines attached together share one loss, even when a graph break puts them in different
     # graphs: refuse before changing any of them.
     check_same_world([b.param_set for b in bindings])
@@ -86,10 +90,6 @@ def detach(engine: object) -> None:
     binding = binding_of(engine)
     if binding is not None:
         binding.uninstall()
-
-
-def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
 
 
 def _check_config(name: str, engine) -> None:
