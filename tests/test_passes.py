@@ -1,0 +1,86 @@
+"""The passes alone, on a hand-built backward graph: no DeepSpeed, no process group.
+
+The layout below is what a ZeRO optimizer would hand the adapter: three parameters in one flat
+group with alignment padding, split into two shards; the pipeline must plan buckets that cover
+exactly where gradients land, insert one collective per bucket on the engine's group, accumulate
+into one sink per group, and drop every owned gradient from the outputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
+from torch._subclasses import FakeTensorMode
+
+from graphzero.ownership import FlatGroup, Ownership, ParamSet
+from graphzero.passes import PIPELINE, PassContext, run_pipeline
+
+SHAPES = [(5, 3), (7,), (4, 4)]          # 15, 7 and 16 elements
+OFFSETS = [0, 16, 24]                    # padding after the first two, as DeepSpeed aligns them
+NUMEL = 40                               # padded to a multiple of 2 shards
+
+
+def build(bucket_size: int, backend: str, present: tuple[int, ...] = (0, 1, 2)):
+    fake = FakeTensorMode()
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    ps = ParamSet(name="disc", stage=2, groups=(FlatGroup(tuple(params), ("a", "b", "c"), tuple(OFFSETS), NUMEL, True),),
+                  process_group=None, group_name="7", world_size=2, rank=1, comm_dtype=torch.float32,
+                  accum_dtype=torch.float32, bucket_numel=bucket_size, grad_scale=0.25, backend=backend,
+                  sinks=lambda: [])
+    graph = fx.Graph()
+    grads = [graph.placeholder(f"grad_{i}") for i in range(len(SHAPES))]
+    for node, shape in zip(grads, SHAPES):
+        with fake:
+            node.meta["val"] = torch.empty(shape)
+    out = graph.output(tuple(g if i in present else None for i, g in enumerate(grads)))
+    out.meta["desc"] = [GradAOTOutput(grad_of=PlainAOTInput(idx=i)) for i in range(len(SHAPES))]
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    ctx = PassContext(Ownership.build(params, [ps]), fake)
+    return gm, ctx, ps
+
+
+def targets(gm: fx.GraphModule, op) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is op]
+
+
+def test_pipeline_order_is_declared_once():
+    assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "insert_reduce_scatter",
+                                              "fp32_accumulate", "schedule_overlap"]
+
+
+def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():
+    gm, ctx, ps = build(bucket_size=16, backend="nccl")
+    gm = run_pipeline(gm, ctx)
+    # Shard = 20 elements; chunks of 16 / 2 shards = 8 elements over the covered range [0, 20)
+    # (shard 0: a at 0..15, b's head at 16..20; shard 1: b's tail at 0..3, c at 4..20).
+    assert [(b.lo, b.hi) for b in ctx.buckets] == [(16, 20), (8, 16), (0, 8)]
+    rs = targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert len(rs) == 3 and all(n.args[1:] == ("sum", 2, "7") for n in rs)
+    assert sorted(n.args[0].meta["val"].numel() for n in rs) == [8, 16, 16]
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    assert out.args[0] == (None, None, None)
+    sinks = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("graphzero_sink")]
+    assert [tuple(n.meta["val"].shape) for n in sinks] == [(20,)]
+    assert len(targets(gm, torch.ops.aten.copy_.default)) == 1
+    inserted = [n for n in gm.graph.nodes if "graphzero" in n.meta]
+    assert inserted and all("val" in n.meta and n.meta["graphzero"]["engine"] == "disc" for n in inserted)
+    assert ctx.stats[ps]["fp32_accumulate"] == 3 and ctx.stats[ps]["reduce_scatter"] == 3
+
+
+def test_gloo_uses_all_reduce_and_keeps_only_this_ranks_chunk():
+    gm, ctx, _ = build(bucket_size=10**9, backend="gloo")
+    gm = run_pipeline(gm, ctx)
+    ar = targets(gm, torch.ops._c10d_functional.all_reduce.default)
+    assert len(ar) == 1 and ar[0].args[0].meta["val"].numel() == 40
+    slices = [n for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor
+              and n.meta.get("graphzero", {}).get("why", "").startswith("keep only")]
+    assert [n.args[2:] for n in slices] == [(20, 40)]          # rank 1 of 2
+
+
+def test_a_graph_with_some_parameters_reduces_only_their_ranges():
+    # After a graph break this graph holds only c's gradient: elements 24..40 = shard 1's 4..20.
+    gm, ctx, _ = build(bucket_size=10**9, backend="nccl", present=(2,))
+    gm = run_pipeline(gm, ctx)
+    assert [(b.lo, b.hi) for b in ctx.buckets] == [(4, 20)]
+    (rs,) = targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert rs.args[0].meta["val"].numel() == 32
