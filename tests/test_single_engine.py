@@ -7,7 +7,6 @@ different reduction order); both vs the torch reference as in test_multi_engine.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest

@@ -36,13 +36,14 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ins = Inserter(gm, ctx, PASS, after=out.prev)
     scales: dict[ParamSet, fx.Node] = {}
 
-    def placeholder(name: str, val_fn, kind: str, ps: ParamSet, g: int | None, why: str) -> fx.Node:
+    def placeholder(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, kind: str,
+                    ps: ParamSet, g: int | None, why: str) -> fx.Node:
         nonlocal anchor
         with graph.inserting_after(anchor):
             node = graph.placeholder(name)
         anchor = node
         with ctx.fake_mode:
-            node.meta["val"] = val_fn()
+            node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
         node.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "why": why}
         ctx.runtime_inputs.append((kind, ps, g))
         return node
@@ -51,12 +52,10 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         group = ps.groups[g]
         shard = group.shard_numel(ps.world_size)
         device = ctx.grads_of(ps, g)[0].node.meta["val"].device
-        sink = placeholder(f"graphzero_sink_{ps.name}_{g}",
-                           lambda: torch.empty(shard, dtype=ps.accum_dtype, device=device), "sink", ps, g,
+        sink = placeholder(f"graphzero_sink_{ps.name}_{g}", (shard,), ps.accum_dtype, device, "sink", ps, g,
                            f"{ps.accum_dtype} gradient shard of param group {g} ({shard} elements)")
         if ps not in scales:
-            scales[ps] = placeholder(f"graphzero_scale_{ps.name}",
-                                     lambda: torch.empty((), dtype=torch.float32, device=device), "scale", ps, None,
+            scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         chunks = sorted(((ctx.buckets[b].lo, ctx.buckets[b].hi, node) for b, node in ctx.reduced.items()
                          if ctx.buckets[b].param_set is ps and ctx.buckets[b].group == g), key=lambda t: t[0])
