@@ -200,3 +200,43 @@ def test_bucket_size_zero_grad_noncontiguous_and_detach(ranks):
     result = ranks.run(lifecycle_scenario)[0]
     # 40 elements per bucket over 2 shards: ceil((numel / 2) / 20) buckets.
     assert result["buckets"] >= result["numel"] // 40, result
+
+
+def param_groups_scenario(stage: int) -> None:
+    """Two optimizer param groups (weight decay on weights only), as transformer recipes use: one
+    flat buffer and one shard per group, each accumulated by its own sink."""
+    import copy
+
+    import deepspeed
+    rank, world = rank_world()
+    torch.manual_seed(8)
+    M = mlp(6, 20, 3, depth=3)
+    ref_model = copy.deepcopy(M)
+
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+    cfg = ds_config(stage)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.1
+    gz, *_ = deepspeed.initialize(model=M, config=cfg, model_parameters=groups(M))
+    assert len(gz.optimizer.bit16_groups) == 2
+    ref_opt = torch.optim.AdamW(groups(ref_model), lr=cfg["optimizer"]["params"]["lr"])
+    step = torch.compile(regression_loss, backend="graphzero", options={"engines": [gz]})
+    for t in range(2):
+        step(gz, *data(t, rank, (5, 6), (5, 3))).backward()
+        for r in range(world):
+            (regression_loss(ref_model, *data(t, r, (5, 6), (5, 3))) / world).backward()
+        expected = [p.grad.clone() for p in ref_model.parameters()]
+        assert_grads_close(full_grads(gz), expected, rtol=1e-4, atol=1e-6, what=f"step {t}")
+        gz.step()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_close(gz, ref_model, rtol=1e-4, atol=1e-5, what=f"step {t}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_optimizer_param_groups(ranks, stage):
+    ranks.run(param_groups_scenario, stage)
