@@ -57,7 +57,7 @@ RUNNER_KEYS = (
     "compile_s", "first_step_ms", "grad_bytes", "optim_bytes", "grad_bytes_per_rank",
     "optim_bytes_per_rank", "peak_rss_mib", "step_rss_growth_mib", "peak_device_mib", "collectives_per_step",
     "bytes_reduced_per_step", "bytes_gathered_per_step", "collectives_by_op", "max_abs_param_diff",
-    "params_match", "final_loss", "losses", "graphs", "graph_breaks",
+    "params_match", "final_loss", "losses", "graphs", "graph_breaks", "timed_graphs",
 )
 NOTES = [
     ("step ms: wall time of one optimizer step (gas micro-batches + optimizer), slowest rank, after a "
@@ -371,6 +371,7 @@ class _Tracker:
         self.collectives: dict[str, Any] | None = None
         self.graphs = 0
         self.graph_breaks = 0
+        self.timed_graphs = 0  # graphs compiled during timed steps: recompiles in the steady state
 
     def local(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -617,6 +618,8 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
     graphs1, breaks1 = _dynamo_counts()
     tr.graphs += graphs1 - graphs0
     tr.graph_breaks += breaks1 - breaks0
+    if phase == "timed":
+        tr.timed_graphs += graphs1 - graphs0
     if outcome:
         return outcome
     tr.losses.append(float(loss))
@@ -713,7 +716,8 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
                      setup_s=_round(max((r["setup_s"] or 0.0) for r in ranks), 3),
                      losses=r0["losses"], final_loss=r0["losses"][-1] if r0["losses"] else None,
                      graphs=r0["graphs"] if RUNNERS[name].compiled else None,
-                     graph_breaks=r0["graph_breaks"] if RUNNERS[name].compiled else None)
+                     graph_breaks=r0["graph_breaks"] if RUNNERS[name].compiled else None,
+                     timed_graphs=r0["timed_graphs"] if RUNNERS[name].compiled else None)
         if status == "ok":
             steps = [max(vals) * 1e3 for vals in zip(*(r["step_s"] for r in ranks))]
             median = statistics.median(steps)
@@ -788,7 +792,7 @@ def format_table(result: dict[str, Any]) -> str:
     ref = result.get("reference")
     headers = ["runner", "status", "step ms med [min, max]", "x ddp", "x ds-plain", "compile s",
                "grad", "optim", "peak RSS MiB", "+step MiB", "colls/step", "reduced/step",
-               "graphs/breaks", f"max abs dparam vs {ref or 'n/a'}"]
+               "graphs/breaks (timed)", f"max abs dparam vs {ref or 'n/a'}"]
     rows, failures = [], []
     for name, e in result["runners"].items():
         status = e["status"]
@@ -802,7 +806,7 @@ def format_table(result: dict[str, Any]) -> str:
         diff = e["max_abs_param_diff"]
         diff_s = "ref" if name == ref else "n/a" if diff is None else (
             f"{diff:.1e} {'ok' if e['params_match'] else 'DIFFERS'}")
-        gb = "-" if e["graphs"] is None else f"{e['graphs']}/{e['graph_breaks']}"
+        gb = "-" if e["graphs"] is None else f"{e['graphs']}/{e['graph_breaks']} ({e['timed_graphs']})"
         rows.append([name, "ok", f"{s['median']:.1f} [{s['min']:.1f}, {s['max']:.1f}]",
                      _num(e["ratio_vs_ddp"], ".2f"), _num(e["ratio_vs_ds_plain_backward"], ".2f"),
                      _num(e["compile_s"], ".1f"), _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
