@@ -16,25 +16,24 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._graph import Bucket, PassContext
+from ._graph import Bucket, GradOutput, PassContext
 
 
-def _covered(ctx: PassContext, ps, g: int) -> list[tuple[int, int]]:
-    """Shard-relative ranges in which some shard holds a gradient of this graph, merged.
-
-    A graph that sees only some of a group's parameters (a graph break) reduces only where they
-    land, not the whole group; padding between parameters is never sent either.
-    """
+def _landing(ctx: PassContext, ps, g: int) -> list[tuple[GradOutput, list[tuple[int, int]]]]:
+    """Each gradient of this graph in group g, with the shard-relative ranges where it lands."""
     group = ps.groups[g]
     shard, nshards = group.shard_numel(ps.world_size), group.num_shards(ps.world_size)
-    ranges = []
+    out = []
     for grad in ctx.grads_of(ps, g):
         start = group.offsets[grad.owned.position]
         end = start + grad.owned.param.numel()
-        for s in range(nshards):
-            a, z = max(start, s * shard), min(end, (s + 1) * shard)
-            if a < z:
-                ranges.append((a - s * shard, z - s * shard))
+        ranges = [(max(start, s * shard) - s * shard, min(end, (s + 1) * shard) - s * shard)
+                  for s in range(nshards) if max(start, s * shard) < min(end, (s + 1) * shard)]
+        out.append((grad, ranges))
+    return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for a, z in sorted(ranges):
         if merged and a <= merged[-1][1]:
@@ -44,24 +43,17 @@ def _covered(ctx: PassContext, ps, g: int) -> list[tuple[int, int]]:
     return merged
 
 
-def _members(ctx: PassContext, ps, g: int, lo: int, hi: int):
-    group = ps.groups[g]
-    shard, nshards = group.shard_numel(ps.world_size), group.num_shards(ps.world_size)
-    out = []
-    for grad in ctx.grads_of(ps, g):
-        start = group.offsets[grad.owned.position]
-        end = start + grad.owned.param.numel()
-        if any(start < s * shard + hi and s * shard + lo < end for s in range(nshards)):
-            out.append(grad)
-    return out
-
-
 def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
         for g, group in enumerate(ps.groups):
+            landing = _landing(ctx, ps, g)
+            # Only where this graph's gradients land: after a graph break a graph that sees some of
+            # a group's parameters does not send the whole group; padding is never sent either.
+            covered = _merged([r for _, ranges in landing for r in ranges])
             chunk = max(1, (ctx.bucket_size or ps.bucket_numel) // group.num_shards(ps.world_size))
-            pieces = [(lo, min(z, lo + chunk)) for a, z in _covered(ctx, ps, g) for lo in range(a, z, chunk)]
+            pieces = [(lo, min(z, lo + chunk)) for a, z in covered for lo in range(a, z, chunk)]
             for lo, hi in reversed(pieces):
-                ctx.buckets.append(Bucket(ps, g, lo, hi, _members(ctx, ps, g, lo, hi)))
+                members = [grad for grad, ranges in landing if any(a < hi and lo < z for a, z in ranges)]
+                ctx.buckets.append(Bucket(ps, g, lo, hi, members))
                 ctx.count(ps, "buckets")
     return gm
