@@ -48,7 +48,7 @@ def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for g, group in enumerate(ps.groups):
             landing = _landing(ctx, ps, g)
             # Only where this graph's gradients land: after a graph break a graph that sees some of
-            # a group's parameters does not send the whole group; padding is never sent either.
+            # a group's parameters does not send the whole group, nor padding no gradient spans.
             covered = _merged([r for _, ranges in landing for r in ranges])
             chunk = max(1, (ctx.bucket_size or ps.bucket_numel) // group.num_shards(ps.world_size))
             pieces = [(lo, min(z, lo + chunk)) for a, z in covered for lo in range(a, z, chunk)]
