@@ -10,13 +10,15 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
-from . import deepspeed_adapter
+from . import deepspeed_adapter, early_attach
 from .backend import graphzero_backend
-from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
+from .errors import (AutogradUsageError, GraphZeroError, NoGradientError, NotAnEngineError, OptionError,
+                     OwnershipError, RankDisagreementError, RankFaultError, UnsupportedConfigError,
                      WorldMismatchError)
 from .options import Options
 
-__all__ = ["GraphZeroError", "NotAnEngineError", "OptionError", "OwnershipError", "UnsupportedConfigError",
+__all__ = ["AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError", "OptionError",
+           "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
            "WorldMismatchError", "attach", "detach", "graphzero_backend"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
@@ -30,6 +32,7 @@ def attach(*engines: Any, **named_engines: Any) -> None:
     """
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
     deepspeed_adapter.attach(pairs)
+    early_attach.install()
 
 
 def detach(*engines: Any) -> None:
@@ -58,3 +61,4 @@ def _register_torch_logs() -> None:
 
 _register()
 _register_torch_logs()
+early_attach.install()

@@ -16,10 +16,11 @@ import torch.fx as fx
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 
-from . import deepspeed_adapter, retrace
+from . import deepspeed_adapter, early_attach, rank_agreement, retrace
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
 from .options import Options
+from .autograd_semantics import AccumulationProbe
 from .ownership import Ownership, ParamSet
 from .passes import PassContext, run_pipeline
 
@@ -30,6 +31,7 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
                       **_unused: Any):
     """torch.compile backend entry point (``backend="graphzero"``)."""
     opts = Options.parse(options)
+    early_attach.install()
     if torch._dynamo.config.compiled_autograd:
         # Compiled autograd traces AOT's untransformed backward module: graphzero's passes would
         # never run and every owned gradient would take the slow eager safety net.
@@ -37,6 +39,11 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     if opts.engines:
         new = [engine for _, engine in opts.engines if deepspeed_adapter.binding_of(engine) is None]
         if new:
+            # Normally early_attach has attached them before tracing; this compile started without
+            # its callback (torch._dynamo.reset() clears it), so re-trace this frame instead.
+            log.warning("graphzero attached engine(s) %s only after Dynamo traced part of the step; "
+                        "call graphzero.attach(...) before the first call to rule out a first step "
+                        "traced through DeepSpeed's hooks", [n for n, e in opts.engines if e in new])
             bindings = deepspeed_adapter.attach(opts.engines)
             retrace.request(b.param_set for b in bindings if b.engine in new)
             _forget_speculation()
@@ -50,7 +57,12 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     dump = GraphDump.for_graph(opts, graph_id)
     if not ownership.inputs:
         log.info("graph %s uses no engine-owned parameters; compiling it unchanged", graph_id)
-    transform = BackwardTransform(ownership, opts, dump)
+    unused = [name for name, engine in opts.engines
+              if not any(ps.name == name for ps in ownership.param_sets)]
+    if unused and ownership.inputs:
+        log.warning("graph %s does not use engine(s) %s listed in options['engines']: this graph leaves their "
+                    "gradient shards untouched", graph_id, unused)
+    transform = BackwardTransform(ownership, opts, dump, graph_id)
     # An AOT-autograd cache hit would replay a backward without the sink arguments the runtime
     # wrapper supplies, so this backend's graphs never go through that cache.
     with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
@@ -97,10 +109,11 @@ def _graph_id() -> str:
 class BackwardTransform:
     """Runs the pass pipeline on one backward graph and wraps the compiled result."""
 
-    def __init__(self, ownership: Ownership, opts: Options, dump: GraphDump) -> None:
+    def __init__(self, ownership: Ownership, opts: Options, dump: GraphDump, graph_id: str) -> None:
         self.ownership = ownership
         self.opts = opts
         self.dump = dump
+        self.graph_id = graph_id
 
     def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
         fake_mode = detect_fake_mode(example_inputs)
@@ -121,7 +134,7 @@ class BackwardTransform:
     def wrap(self, compiled, ctx: PassContext):
         if not ctx.runtime_inputs:
             return compiled
-        return BackwardWithRuntimeInputs(compiled, ctx)
+        return BackwardWithRuntimeInputs(compiled, ctx, self.graph_id)
 
 
 class BackwardWithRuntimeInputs:
@@ -132,7 +145,7 @@ class BackwardWithRuntimeInputs:
     factor depends on how this backward was launched.
     """
 
-    def __init__(self, compiled, ctx: PassContext) -> None:
+    def __init__(self, compiled, ctx: PassContext, graph_id: str) -> None:
         # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
         self._boxed_call = True
         self.compiled = compiled
@@ -144,6 +157,11 @@ class BackwardWithRuntimeInputs:
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
         self.device = self.param_sets[0].groups[0].params[0].device
         self._scale_tensors: dict[float, torch.Tensor] = {}
+        self.probe = AccumulationProbe(self.present)
+        self.what = f"graph {graph_id} (engines {[ps.name for ps in self.param_sets]})"
+        # One exchange per data-parallel group (usually all engines share one).
+        self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
+        self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
 
     def _scale(self, value: float) -> torch.Tensor:
         if value not in self._scale_tensors:
@@ -156,13 +174,23 @@ class BackwardWithRuntimeInputs:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
                                  "call torch._dynamo.reset() or compile the step again")
         retrace.maybe_reset(self.param_sets)
+        accumulating = self.probe.accumulating()
         buffers, scales = {}, {}
         for ps in self.param_sets:
-            ps.mark_present(self.present[ps])
-            buffers[ps] = ps.sinks()
+            if accumulating[ps]:
+                ps.mark_present(self.present[ps])
+                buffers[ps] = ps.sinks()
+            else:
+                # autograd.grad / backward(inputs=...) without this engine: eager autograd would
+                # write no .grad, so the shard stays untouched; the collectives still run (every
+                # rank issues the same ones) into scratch buffers.
+                buffers[ps] = ps.scratch_sinks(self.device)
             scales[ps] = ps.runtime_scale()
         args.extend(buffers[ps][g] if kind == "sink" else self._scale(scales[ps]) for kind, ps, g in self.runtime_inputs)
-        return self.compiled(args)
+        for _, group in self.groups:
+            rank_agreement.agree(self.fingerprint, group, self.what)
+        with rank_agreement.collective_failures(self.what):
+            return self.compiled(args)
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):

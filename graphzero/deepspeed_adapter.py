@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import retrace
-from .errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
+from . import rank_agreement, retrace
+from .errors import NoGradientError, NotAnEngineError, OwnershipError, UnsupportedConfigError
 from .ownership import FlatGroup, ParamSet, check_same_world
 
 log = logging.getLogger("graphzero")
@@ -32,7 +32,7 @@ log = logging.getLogger("graphzero")
 _BINDING_ATTR = "_graphzero_binding"
 # Engine methods shadowed by instance attributes while attached (removed again on detach).
 _ENGINE_OVERRIDES = ("forward", "backward", "_backward_prologue", "_backward_prologue_per_tensor",
-                     "_backward_epilogue", "zero_grad")
+                     "_backward_epilogue", "zero_grad", "step")
 
 
 def _noop(*_args) -> None:
@@ -156,6 +156,8 @@ class DeepSpeedBinding:
         self._saved: dict[str, object] = {}
         self._eager_hooks: list = []
         self._warned_eager = False
+        # Whether a backward wrote this engine's shards since its last optimizer step.
+        self.received_gradient = False
         self.param_set = self._build_param_set()
 
     # -- layout -------------------------------------------------------------------------------
@@ -207,6 +209,7 @@ class DeepSpeedBinding:
         BF16_Optimizer: its full fp32 gradient buffer, which its own ``step()`` zeroes.
         """
         opt = self.engine.optimizer
+        self.received_gradient = True
         if self.kind == "bf16":
             return list(opt.fp32_groups_gradients_flat)
         out = []
@@ -226,6 +229,7 @@ class DeepSpeedBinding:
     def drop_sinks(self) -> None:
         """Forget the accumulated shards (``zero_grad``): the next backward starts from zeros."""
         opt = self.engine.optimizer
+        self.received_gradient = False
         for i in list(self._installed_groups):
             if opt.averaged_gradients.get(i) is self._installed(i):
                 opt.averaged_gradients[i] = None
@@ -294,8 +298,25 @@ class DeepSpeedBinding:
             optimizer_zero_grad(*args, **kwargs)
             self.drop_sinks()
 
+        engine_step = engine.step
+
+        def step(*args, **kwargs):
+            # DeepSpeed would fail deep inside its optimizer (TypeError on a None gradient
+            # partition); say what happened instead, before any collective.
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary and not self.received_gradient:
+                raise NoGradientError(
+                    f"engine {self.name!r}: step() at a gradient-accumulation boundary, but no backward since "
+                    "its last optimizer step reached its parameters; skip this engine's step() when the "
+                    "loss does not use it")
+            out = engine_step(*args, **kwargs)
+            if boundary:
+                self.received_gradient = False
+            return out
+
         engine.zero_grad = zero_engine
         opt.zero_grad = zero_optimizer
+        engine.step = step
         setattr(engine, _BINDING_ATTR, self)
         for group in self.param_set.groups:
             for p in group.params:
@@ -357,7 +378,10 @@ class DeepSpeedBinding:
         g, k = ps.locate(param)
         group = ps.groups[g]
         grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
-        dist.all_reduce(grad, group=ps.process_group)
+        what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
+        rank_agreement.agree(rank_agreement.fingerprint(("eager", self.name, g, k)), ps.process_group, what)
+        with rank_agreement.collective_failures(what):
+            dist.all_reduce(grad, group=ps.process_group)
         sink = self.sinks()[g]
         start, n = group.offsets[k], param.numel()
         lo = ps.rank * group.shard_numel(ps.world_size) if group.sharded else 0

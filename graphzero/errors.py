@@ -36,3 +36,19 @@ class OwnershipError(GraphZeroError):
 
 class WorldMismatchError(GraphZeroError):
     """Engines in one graph reduce over data-parallel groups of different sizes, or without this rank."""
+
+
+class AutogradUsageError(GraphZeroError):
+    """A backward call graphzero cannot honour exactly (create_graph, a partial ``inputs=``)."""
+
+
+class NoGradientError(GraphZeroError):
+    """``engine.step()`` at a boundary with no gradient for that engine since its last step."""
+
+
+class RankDisagreementError(GraphZeroError):
+    """The ranks of a data-parallel group were about to run different reductions."""
+
+
+class RankFaultError(GraphZeroError):
+    """A collective failed because a peer rank raised, died or timed out."""

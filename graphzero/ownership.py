@@ -76,6 +76,11 @@ class ParamSet:
         """(group index, position in group) of an owned parameter, else None."""
         return self._where.get(id(param))
 
+    def scratch_sinks(self, device: torch.device) -> list[torch.Tensor]:
+        """Zeroed buffers shaped like sinks(), for a backward whose result must not be kept."""
+        return [torch.zeros(g.shard_numel(self.world_size), dtype=self.accum_dtype, device=device)
+                for g in self.groups]
+
     @property
     def numel(self) -> int:
         return sum(p.numel() for grp in self.groups for p in grp.params)

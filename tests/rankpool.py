@@ -10,6 +10,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,13 +24,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     import torch
     torch.set_num_threads(1)
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -41,6 +42,10 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
             conn.send(("error", traceback.format_exc()))
         finally:
             torch._dynamo.reset()
+            # reset() also drops Dynamo's compile-start callbacks, graphzero's early attach among
+            # them; a user process that never resets keeps it from `import graphzero` on.
+            if "graphzero" in sys.modules:
+                sys.modules["graphzero"].early_attach.install()
     import torch.distributed as dist
     dist.destroy_process_group()
 
@@ -50,8 +55,9 @@ class ScenarioFailed(AssertionError):
 
 
 class RankPool:
-    def __init__(self, world_size: int = WORLD_SIZE) -> None:
+    def __init__(self, world_size: int = WORLD_SIZE, pg_timeout_s: float = 90) -> None:
         self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
         self._procs: list = []
         self._conns: list = []
 
@@ -60,37 +66,41 @@ class RankPool:
         port = _free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, self.pg_timeout_s), daemon=True)
             p.start()
             self._procs.append(p)
             self._conns.append(parent)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results or raise with tracebacks."""
+        outcomes = self.run_each(fn, *args, timeout=timeout, **kwargs)
+        errors = [f"rank {rank}: {value}" if status != "error" else f"rank {rank}:\n{value}"
+                  for rank, (status, value) in enumerate(outcomes) if status != "ok"]
+        if errors:
+            self.close(force=True)
+            raise ScenarioFailed(f"{fn.__qualname__} failed:\n" + "\n".join(errors))
+        return [value for _, value in outcomes]
+
+    def run_each(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[tuple]:
+        """Like run, but return each rank's ``(status, value)``: "ok", "error" (a traceback), "died"
+        or "timeout" (a message); for scenarios in which a rank fails on purpose."""
         if not self._procs:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        results, errors = [], []
+        outcomes: list[tuple] = []
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         for rank, conn in enumerate(self._conns):
             remaining = (deadline - datetime.datetime.now()).total_seconds()
             if not conn.poll(max(remaining, 0)):
-                errors.append(f"rank {rank}: no answer within {timeout} s")
+                outcomes.append(("timeout", f"no answer within {timeout} s"))
                 continue
             try:
-                status, value = conn.recv()
+                outcomes.append(conn.recv())
             except EOFError:
-                errors.append(f"rank {rank}: worker died (exit code {self._procs[rank].exitcode})")
-                continue
-            if status == "ok":
-                results.append(value)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            self.close(force=True)
-            raise ScenarioFailed(f"{fn.__qualname__} failed:\n" + "\n".join(errors))
-        return results
+                self._procs[rank].join(timeout=5)
+                outcomes.append(("died", f"worker died (exit code {self._procs[rank].exitcode})"))
+        return outcomes
 
     def close(self, force: bool = False) -> None:
         for conn in self._conns:

@@ -1,0 +1,80 @@
+"""What autograd was asked to accumulate, as seen from inside a compiled backward.
+
+A graphzero backward writes reduced shards directly into each engine's optimizer buffers, where
+eager autograd would have accumulated into ``param.grad``. Autograd does that only for the leaves
+it accumulates in this backward: all of them for ``loss.backward()``, those listed in
+``backward(inputs=...)``, none for ``torch.autograd.grad(...)``. This module asks the autograd
+engine (``torch._C._will_engine_execute_node`` on each parameter's AccumulateGrad node) which case
+this is, per engine, so that the runtime writes a shard exactly when eager autograd would have
+written ``.grad``. Collectives run either way, so every rank keeps issuing the same ones.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from .errors import AutogradUsageError
+from .ownership import ParamSet
+
+
+class AccumulationProbe:
+    """Per engine of one compiled backward: does this backward accumulate into its parameters?"""
+
+    def __init__(self, present: dict[ParamSet, Sequence[torch.nn.Parameter]]) -> None:
+        self.present = present
+        # AccumulateGrad nodes, kept alive so that the engine sees the same node objects.
+        self._nodes: dict[ParamSet, list] = {}
+
+    def _accumulate_nodes(self, ps: ParamSet) -> list:
+        if ps not in self._nodes:
+            self._nodes[ps] = [get_gradient_edge(p).node for p in self.present[ps]]
+        return self._nodes[ps]
+
+    def accumulating(self) -> dict[ParamSet, bool]:
+        """Which engines' shards this backward writes; raises for what graphzero cannot honour."""
+        if _create_graph():
+            raise AutogradUsageError(
+                "backward(create_graph=True) / autograd.grad(create_graph=True) through a graphzero graph "
+                f"that owns engine(s) {[ps.name for ps in self.present]}: higher-order gradients of "
+                "engine-owned parameters are not supported (their gradients are reduced into shards)")
+        out = {}
+        for ps, params in self.present.items():
+            try:
+                will = [torch._C._will_engine_execute_node(node) for node in self._accumulate_nodes(ps)]
+            except RuntimeError:
+                # Raised for a leaf during torch.autograd.grad(): no .grad is written in that call.
+                will = [False] * len(params)
+            if all(will):
+                out[ps] = True
+            elif not any(will):
+                out[ps] = False
+            else:
+                picked = [_name(ps, p) for p, w in zip(params, will) if w]
+                raise AutogradUsageError(
+                    f"backward(inputs=...) selects only some of engine {ps.name!r}'s parameters used in this "
+                    f"graph ({picked}); pass all of its parameters or none of them")
+        return out
+
+
+def _create_graph() -> bool:
+    """Whether this backward runs with ``create_graph=True``.
+
+    AOT autograd runs such a backward inside its ``_double_backward`` autograd.Function, under
+    no_grad, and autograd exposes no create_graph flag: look for that frame on the stack.
+    """
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_double_backward":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _name(ps: ParamSet, param: torch.nn.Parameter) -> str:
+    g, k = ps.locate(param)
+    return f"{ps.name}.{ps.groups[g].names[k]}"

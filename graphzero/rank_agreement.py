@@ -1,0 +1,76 @@
+"""Ranks agree on what they reduce before they reduce it, and collective failures get a clear name.
+
+Every rank must issue the same collectives in the same order. A rank that recompiled (a
+rank-dependent guard), ran a frame eagerly, or reached a different graph would otherwise meet its
+peers in mismatched collectives: a hang until the process-group timeout, a gloo abort, or a silent
+mix of buckets. So before graphzero reduces anything (each compiled backward, each eager
+safety-net reduction) the ranks of the data-parallel group exchange a fingerprint of the plan
+(engines, groups, bucket ranges, collective, dtype), one int64 each; any difference is a
+`RankDisagreementError` on every rank, before the first gradient collective.
+
+A peer that raised, died or hangs shows up as a failed collective within the process group's
+timeout; `collective_failures` turns that into a `RankFaultError` naming the graph and engines.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .errors import RankDisagreementError, RankFaultError
+
+
+def fingerprint(plan: object) -> int:
+    """A stable 63-bit fingerprint of a plan's repr (the same on every rank for the same plan)."""
+    text = repr(plan).encode()
+    return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
+
+
+def agree(value: int, process_group: object, what: str) -> None:
+    """All-gather ``value`` over the group; raise on every rank unless all ranks hold the same one."""
+    world = dist.get_world_size(process_group)
+    if world == 1:
+        return
+    mine = torch.tensor([value], dtype=torch.int64)
+    every = torch.empty(world, dtype=torch.int64)
+    with collective_failures(what):
+        dist.all_gather_into_tensor(every, mine, group=process_group)
+    values = every.tolist()
+    if len(set(values)) > 1:
+        ranks = dist.get_process_group_ranks(process_group)
+        groups: dict[int, list[int]] = {}
+        for rank, v in zip(ranks, values):
+            groups.setdefault(v, []).append(rank)
+        raise RankDisagreementError(
+            f"ranks disagree on what to reduce for {what}: rank groups {sorted(groups.values())} run different "
+            "graphzero plans (a rank-dependent recompile, a frame one rank ran eagerly, or a different graph). "
+            "Every rank must run the same compiled step; check for rank-dependent Python in the step")
+
+
+@contextlib.contextmanager
+def collective_failures(what: str) -> Iterator[None]:
+    """Re-raise a failed collective (peer raised, died or timed out) as a RankFaultError."""
+    try:
+        yield
+    except RankDisagreementError:
+        raise
+    except (RuntimeError, dist.DistError) as err:
+        if not _is_collective_failure(err):
+            raise
+        raise RankFaultError(
+            f"a collective for {what} failed: a peer rank raised, died or did not reach it within the process "
+            f"group's timeout. Look at the other ranks' errors first. ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})") from err
+
+
+_MARKERS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "collective", "c10d", "socket", "closed")
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err).lower()
+    return any(marker in text for marker in _MARKERS)

@@ -1,0 +1,101 @@
+"""Ranks that cannot agree, and ranks that fail, end cleanly: a named GraphZeroError on every
+surviving rank, never a hang or a mixed reduction.
+
+- rank agreement: one rank compiles a different graph (rank-dependent Python forces it to
+  recompile) or runs the step eagerly while the other runs the compiled graph;
+- faults (own 2-rank pool, 10 s process-group timeout): a rank that raises before backward, a rank
+  whose compile fails, a rank killed mid-step.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rankpool import RankPool
+from scenario_utils import data, ds_config, engine, mlp, rank_world
+
+
+def two_engine_loss(models, x, with_critic: bool):
+    loss = models["actor"](x).square().mean()
+    if with_critic:  # rank-dependent Python: a different graph on one rank
+        loss = loss + models["critic"](x).square().mean()
+    return loss
+
+
+def disagreement_scenario(kind: str) -> str:
+    import graphzero
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    engines = {"actor": engine(mlp(8, 16, 4), ds_config(2)), "critic": engine(mlp(8, 16, 4), ds_config(1))}
+    step = torch.compile(two_engine_loss, backend="graphzero", options={"engines": engines, "inner": "eager"})
+    (x,) = data(0, rank, (4, 8))
+    step(engines, x, True).backward()   # a first step both ranks agree on
+    for eng in engines.values():
+        eng.step()
+    try:
+        if kind == "recompile":
+            loss = step(engines, x, rank == 0)
+        else:  # one rank runs the step eagerly (the safety net reduces), the other compiled
+            loss = two_engine_loss(engines, x, True) if rank == 1 else step(engines, x, True)
+        loss.backward()
+    except graphzero.RankDisagreementError as err:
+        message = str(err)
+    else:
+        raise AssertionError("the ranks ran different reductions and nothing noticed")
+    dist.barrier()  # both ranks are here: nothing is stuck in a collective
+    return message
+
+
+@pytest.mark.parametrize("kind", ["recompile", "eager_on_one_rank"])
+def test_ranks_that_disagree_raise_on_every_rank(ranks, kind):
+    messages = ranks.run(disagreement_scenario, kind, timeout=180)
+    assert all("ranks disagree" in m for m in messages), messages
+
+
+def fault_scenario(kind: str) -> dict:
+    import graphzero
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    eng = engine(mlp(8, 16, 4), ds_config(2))
+    options = {"engines": {"net": eng}, "inner": "eager"}
+    if kind == "compile_fails" and rank == 1:
+        options["bucket_size"] = -1  # this rank's compile fails (OptionError)
+    step = torch.compile(lambda m, x: m(x).square().mean(), backend="graphzero", options=options)
+    (x,) = data(0, rank, (4, 8))
+    if rank == 1:
+        if kind == "killed":
+            os._exit(3)
+        try:
+            if kind == "raises":
+                raise RuntimeError("user code failed on rank 1")
+            step(eng, x).backward()
+        except (RuntimeError, graphzero.GraphZeroError) as err:
+            return {"error": type(err).__name__}
+        raise AssertionError("rank 1 was meant to fail")
+    start = time.monotonic()
+    try:
+        step(eng, x).backward()
+    except graphzero.RankFaultError as err:
+        return {"error": "RankFaultError", "message": str(err), "seconds": time.monotonic() - start}
+    raise AssertionError("rank 0 finished a reduction its peer never joined")
+
+
+@pytest.mark.parametrize("kind", ["raises", "compile_fails", "killed"])
+def test_a_failing_rank_ends_the_others_cleanly(kind):
+    pool = RankPool(pg_timeout_s=10)
+    try:
+        outcomes = pool.run_each(fault_scenario, kind, timeout=240)
+    finally:
+        pool.close(force=True)
+    status, result = outcomes[0]
+    assert status == "ok", outcomes
+    assert result["error"] == "RankFaultError" and "graph" in result["message"], result
+    assert result["seconds"] < 60, result
+    if kind == "killed":
+        assert outcomes[1][0] == "died", outcomes
+    else:
+        assert outcomes[1] == ("ok", {"error": "OptionError" if kind == "compile_fails" else "RuntimeError"})
