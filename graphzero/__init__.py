@@ -10,14 +10,20 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
+from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
+                     VersionError, WorldMismatchError)
+from .versions import check_versions
+
+# Before the modules that use torch and DeepSpeed internals: outside the tested versions, fail here
+# with a VersionError naming the package rather than deep inside a compile.
+check_versions()
+
 from . import deepspeed_adapter
 from .backend import graphzero_backend
-from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
-                     WorldMismatchError)
 from .options import Options
 
 __all__ = ["GraphZeroError", "NotAnEngineError", "OptionError", "OwnershipError", "UnsupportedConfigError",
-           "WorldMismatchError", "attach", "detach", "graphzero_backend"]
+           "VersionError", "WorldMismatchError", "attach", "detach", "graphzero_backend"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 
