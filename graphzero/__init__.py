@@ -10,8 +10,15 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
-from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
-                     VersionError, WorldMismatchError)
+from .errors import (
+    GraphZeroError,
+    NotAnEngineError,
+    OptionError,
+    OwnershipError,
+    UnsupportedConfigError,
+    VersionError,
+    WorldMismatchError,
+)
 from .versions import check_versions
 
 # Before the modules that use torch and DeepSpeed internals: outside the tested versions, fail here
@@ -58,8 +65,8 @@ def _register_torch_logs() -> None:
     try:
         from torch._logging._internal import register_log
         register_log("graphzero", "graphzero")
-    except Exception:  # noqa: BLE001 - TORCH_LOGS integration is a convenience
-        pass
+    except Exception:  # TORCH_LOGS integration is a convenience
+        logging.getLogger("graphzero").debug("TORCH_LOGS=graphzero is not available", exc_info=True)
 
 
 _register()

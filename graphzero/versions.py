@@ -81,8 +81,9 @@ def check_versions(found: Mapping[str, str | None] | None = None) -> None:
             inside = False
         if inside:
             continue
-        message = (f"graphzero is tested with {package}{tested_range(package)}, but {package} {version} is "
-                   f"installed: install a version in that range (pip install '{package}{tested_range(package)}'), "
+        wanted = f"{package}{tested_range(package)}"
+        message = (f"graphzero is tested with {wanted}, but {package} {version} is installed: install a "
+                   f"version in that range (pip install '{wanted}'), "
                    f"or set {ALLOW_ENV}=1 to try this one anyway")
         if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
             warnings.warn(message, RuntimeWarning, stacklevel=2)

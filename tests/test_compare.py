@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from graphzero_tools import bench_metrics, bench_report, compare
 from graphzero_tools.bench_models import build_workload, resolve_size
 

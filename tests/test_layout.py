@@ -42,7 +42,8 @@ IMPORT_ALL = textwrap.dedent("""
         "dist_initialized": dist.is_available() and dist.is_initialized(),
         "graphzero_backend": "graphzero" in list_backends(exclude_tags=()),
         "deepspeed_imported": "deepspeed" in sys.modules,
-        "env_changed": sorted(k for k in {*env_before, *os.environ} if env_before.get(k) != os.environ.get(k)),
+        "env_changed": sorted(k for k in {*env_before, *os.environ}
+                              if env_before.get(k) != os.environ.get(k)),
         "root_handlers_added": len(logging.getLogger().handlers) - len(root_handlers),
         "threads_added": threading.active_count() - threads,
     }))
@@ -181,7 +182,8 @@ def test_tested_ranges_match_the_package_requirements() -> None:
     """graphzero/versions.py and pyproject.toml's dependencies name the same ranges."""
     requirements = pytest.importorskip("packaging.requirements")
     specifiers = pytest.importorskip("packaging.specifiers")
-    required = {r.name: r.specifier for r in map(requirements.Requirement, metadata.requires("graphzero") or [])}
+    declared = map(requirements.Requirement, metadata.requires("graphzero") or [])
+    required = {r.name: r.specifier for r in declared}
     for package in versions.TESTED:
         assert required[package] == specifiers.SpecifierSet(versions.tested_range(package)), package
 
