@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,10 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/gan_demo.py --steps 5 --dump-dir $(DEMO_DUMP)
 	$(VENV)/bin/graphzero-dump $(DEMO_DUMP)
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check graphzero passes tools tests examples
+
+test: install lint
 	$(PY) -m pytest -q tests
 
 bench: install

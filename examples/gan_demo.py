@@ -17,11 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import deepspeed
+import torch.distributed as dist
+from torch import nn
 
-import graphzero  # noqa: E402,F401  (registers the backend; the entry point does too)
+import graphzero  # noqa: F401  (registers the backend; the entry point does too)
 
 
 def mlp(width_in: int, hidden: int, width_out: int) -> nn.Sequential:

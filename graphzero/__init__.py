@@ -10,15 +10,31 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
+from .errors import (
+    AutogradUsageError,
+    GraphZeroError,
+    NoGradientError,
+    NotAnEngineError,
+    OptionError,
+    OwnershipError,
+    RankDisagreementError,
+    RankFaultError,
+    UnsupportedConfigError,
+    VersionError,
+    WorldMismatchError,
+)
+from .versions import check_versions
+
+# Before the modules that use torch and DeepSpeed internals: outside the tested versions, fail here
+# with a VersionError naming the package rather than deep inside a compile.
+check_versions()
+
 from . import deepspeed_adapter, early_attach
 from .backend import graphzero_backend
-from .errors import (AutogradUsageError, GraphZeroError, NoGradientError, NotAnEngineError, OptionError,
-                     OwnershipError, RankDisagreementError, RankFaultError, UnsupportedConfigError,
-                     WorldMismatchError)
 from .options import Options
 
 __all__ = ["AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError", "OptionError",
-           "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
+           "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError", "VersionError",
            "WorldMismatchError", "attach", "detach", "graphzero_backend"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
@@ -55,8 +71,8 @@ def _register_torch_logs() -> None:
     try:
         from torch._logging._internal import register_log
         register_log("graphzero", "graphzero")
-    except Exception:  # noqa: BLE001 - TORCH_LOGS integration is a convenience
-        pass
+    except Exception:  # TORCH_LOGS integration is a convenience
+        logging.getLogger("graphzero").debug("TORCH_LOGS=graphzero is not available", exc_info=True)
 
 
 _register()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 

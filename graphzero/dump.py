@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.fx as fx
+from torch import fx
 from torch._logging import trace_structured
 
 from . import retrace

@@ -52,3 +52,16 @@ class RankDisagreementError(GraphZeroError):
 
 class RankFaultError(GraphZeroError):
     """A collective failed because a peer rank raised, died or timed out."""
+
+
+class VersionError(GraphZeroError, ImportError):
+    """The installed torch or DeepSpeed is outside the range graphzero is tested with (raised at import).
+
+    ``package``, ``version`` and ``tested`` (a pip specifier such as ``>=2.13,<2.14``) name what is wrong.
+    """
+
+    def __init__(self, message: str, *, package: str, version: str, tested: str) -> None:
+        super().__init__(message)
+        self.package = package
+        self.version = version
+        self.tested = tested

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 LR = 1e-2
 

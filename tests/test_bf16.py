@@ -11,8 +11,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scenario_utils import (Reference, ReductionCounter, assert_no_full_grads, assert_params_close,
-                            assert_rel_l2_close, data, ds_config, engine, full_grads, mlp, rank_world)
+from scenario_utils import (
+    ReductionCounter,
+    Reference,
+    assert_no_full_grads,
+    assert_params_close,
+    assert_rel_l2_close,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 
 def gan_loss(models, z, real):

@@ -1,5 +1,5 @@
-"""Smoke tests for ``graphzero-compare`` (tools/compare.py): tiny workloads on 2 CPU ranks (gloo),
-checked for the report's shape, not for timings."""
+"""Smoke tests for ``graphzero-compare`` (tools/compare.py and the bench_* modules it drives): tiny
+workloads on 2 CPU ranks (gloo), checked for the report's shape, not for timings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from graphzero_tools import compare
+
+from graphzero_tools import bench_metrics, bench_report, compare
 from graphzero_tools.bench_models import build_workload, resolve_size
 
 TOP_KEYS = {"schema", "command", "argv", "args", "date", "machine", "workload", "reference",
@@ -57,7 +58,7 @@ def test_json_schema(mlp_run):
     assert "graphzero_tools.compare" in res["command"]
     assert list(res["runners"]) == MLP_RUNNERS
     for name, entry in res["runners"].items():
-        assert set(compare.RUNNER_KEYS) <= set(entry), name
+        assert set(bench_report.RUNNER_KEYS) <= set(entry), name
         assert entry["status"] in ("ok", "failed", "skipped"), name
 
 
@@ -172,7 +173,7 @@ def test_summarize_collectives():
           SimpleNamespace(name="gloo:all_reduce", input_shapes=[[]], input_dtypes=["double"]),
           SimpleNamespace(name="c10d::allreduce_", input_shapes=[[], []], input_dtypes=[]),
           SimpleNamespace(name="aten::add", input_shapes=[[3]], input_dtypes=["float"])]
-    s = compare.summarize_collectives(ev, world_size=2)
+    s = bench_metrics.summarize_collectives(ev, world_size=2)
     assert s["count"] == 3
     assert s["by_op"]["all_reduce"] == {"count": 2, "bytes": 48}
     assert s["bytes_reduced"] == 48 and s["bytes_gathered"] == 16
@@ -183,9 +184,9 @@ def test_storage_bytes_dedupes_views_and_excludes():
 
     flat = torch.zeros(100)
     other = torch.zeros(10)
-    n, keys = compare.storage_bytes([flat[:10], flat[50:], other])
+    n, keys = bench_metrics.storage_bytes([flat[:10], flat[50:], other])
     assert n == 440 and len(keys) == 2
-    n, _ = compare.storage_bytes([flat[:10], other], exclude={compare._storage_key(flat)})
+    n, _ = bench_metrics.storage_bytes([flat[:10], other], exclude={bench_metrics.storage_key(flat)})
     assert n == 40
 
 
@@ -193,9 +194,9 @@ def test_param_diff():
     import torch
 
     a = {"w": torch.zeros(3), "b": torch.ones(1)}
-    assert compare.param_diff(a, {"w": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(1)}) == 0.5
-    assert compare.param_diff(a, {"w": torch.zeros(3)}) == float("inf")
-    assert compare.param_diff(a, {"w": torch.tensor([0.0, float("nan"), 0.0]), "b": torch.ones(1)}) == float("inf")
+    assert bench_metrics.param_diff(a, {"w": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(1)}) == 0.5
+    assert bench_metrics.param_diff(a, {"w": torch.zeros(3)}) == float("inf")
+    assert bench_metrics.param_diff(a, {"w": torch.tensor([0.0, float("nan"), 0.0]), "b": torch.ones(1)}) == float("inf")
 
 
 def test_parse_args_validates():
@@ -226,7 +227,7 @@ def test_workloads_build_and_run(model):
 
 
 def test_format_table_lists_failures():
-    entry = dict.fromkeys(compare.RUNNER_KEYS)
+    entry = dict.fromkeys(bench_report.RUNNER_KEYS)
     ok = dict(entry, status="ok", step_ms={"median": 2.0, "min": 1.0, "max": 3.0, "all": [1, 2, 3]},
               ratio_vs_ddp=1.0, compile_s=0.1, grad_bytes=2048, optim_bytes=4096, peak_rss_mib=100.0,
               step_rss_growth_mib=1.0, collectives_per_step=2, bytes_reduced_per_step=2048,
@@ -236,7 +237,7 @@ def test_format_table_lists_failures():
               "workload": {"model": "gan", "description": "d", "stage": 2, "dtype": "fp32", "gas": 1,
                            "world_size": 2, "backend": "gloo", "device": "cpu", "steps": 3, "warmup": 1},
               "runners": {"ddp": ok, "ds-plain-backward": bad}}
-    text = compare.format_table(result)
+    text = bench_report.format_table(result)
     assert "| ddp " in text and "2.0 [1.0, 3.0]" in text and "2.0 KiB" in text
     assert "failed [1]" in text and "[1] ds-plain-backward: failed at step 0 (warmup): KeyError: 0" in text
     assert "- a note" in text

@@ -40,7 +40,7 @@ def dumped_run_scenario(collective: str, dump_ranks: str, steps: int = 3) -> dic
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "graphzero_tools.dump_cli", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, check=False)
 
 
 def test_dump_summary_matches_models_and_cli_renders_it(ranks):

@@ -1,4 +1,5 @@
-"""Tests of the `graphzero-dump` CLI (tools/dump_cli.py) on synthetic dumps that follow docs/dump-format.md.
+"""Tests of the `graphzero-dump` CLI (tools/dump_cli.py and the dump_* modules it uses) on synthetic
+dumps that follow docs/dump-format.md.
 
 The CLI runs in a subprocess (`python -m graphzero_tools.dump_cli`), as a user runs it; nothing here
 needs torch or the graphzero backend.
@@ -172,6 +173,12 @@ def cli_importable() -> None:
 def dump_cli() -> ModuleType:
     """The CLI module itself, for in-process tests of small helpers."""
     return importlib.import_module("graphzero_tools.dump_cli")
+
+
+@pytest.fixture
+def dump_views() -> ModuleType:
+    """The text views behind the CLI, for in-process tests of small helpers."""
+    return importlib.import_module("graphzero_tools.dump_views")
 
 
 @pytest.fixture
@@ -507,12 +514,12 @@ def test_build_run_command(dump_cli: ModuleType) -> None:
     assert dump_cli.exit_status(-int(signal.SIGKILL)) == (137, "was killed by SIGKILL")
 
 
-def test_helpers(dump_cli: ModuleType) -> None:
-    assert [dump_cli.human_bytes(n) for n in (0, 1023, 4936, 3 * 2**20, 2**50)] == [
+def test_helpers(dump_views: ModuleType) -> None:
+    assert [dump_views.human_bytes(n) for n in (0, 1023, 4936, 3 * 2**20, 2**50)] == [
         "0 B", "1023 B", "4.8 KiB", "3.0 MiB", "1024.0 TiB"]
-    assert dump_cli.defined_node('    view_3: "f32[1234]" = torch.ops.aten.view.default(x, [-1])') == "view_3"
-    assert dump_cli.defined_node("    return (a, b)") is None
-    assert dump_cli.defined_node("    foo(dim=0)") is None
+    assert dump_views.defined_node('    view_3: "f32[1234]" = torch.ops.aten.view.default(x, [-1])') == "view_3"
+    assert dump_views.defined_node("    return (a, b)") is None
+    assert dump_views.defined_node("    foo(dim=0)") is None
 
 
 def test_cli_does_not_import_torch() -> None:

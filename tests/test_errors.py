@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 import graphzero
 from scenario_utils import data, ds_config, engine, mlp, rank_world

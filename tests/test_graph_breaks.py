@@ -5,11 +5,22 @@ them out), including an engine whose parameters are split across two graphs.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from scenario_utils import (Reference, ReductionCounter, assert_grads_close, assert_no_full_grads,
-                            assert_params_close, compiled_graph_count, data, ds_config, engine, full_grads,
-                            mlp, rank_world)
+from scenario_utils import (
+    ReductionCounter,
+    Reference,
+    assert_grads_close,
+    assert_no_full_grads,
+    assert_params_close,
+    compiled_graph_count,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 
 class BreakInside(nn.Module):

@@ -9,9 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scenario_utils import (Reference, ReductionCounter, assert_grads_close, assert_no_full_grads,
-                            assert_params_close, compiled_graph_count, data, ds_config, engine, full_grads, mlp,
-                            rank_world)
+from scenario_utils import (
+    ReductionCounter,
+    Reference,
+    assert_grads_close,
+    assert_no_full_grads,
+    assert_params_close,
+    compiled_graph_count,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -8,7 +8,7 @@ into one sink per group, and drop every owned gradient from the outputs.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
 from torch._subclasses import FakeTensorMode
 
@@ -26,7 +26,7 @@ def build(bucket_size: int, backend: str, present: tuple[int, ...] = (0, 1, 2)):
     ps = ParamSet(name="disc", stage=2, groups=(FlatGroup(tuple(params), ("a", "b", "c"), tuple(OFFSETS), NUMEL, True),),
                   process_group=None, group_name="7", world_size=2, rank=1, comm_dtype=torch.float32,
                   accum_dtype=torch.float32, bucket_numel=bucket_size, grad_scale=0.25, backend=backend,
-                  sinks=lambda: [])
+                  sinks=list)
     graph = fx.Graph()
     grads = [graph.placeholder(f"grad_{i}") for i in range(len(SHAPES))]
     for node, shape in zip(grads, SHAPES):

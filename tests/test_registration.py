@@ -9,7 +9,7 @@ import sys
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     import os
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+                          env={**os.environ, **env}, check=False)
 
 
 def test_entry_point_makes_backend_visible_without_import():

@@ -14,8 +14,19 @@ import torch
 import torch.distributed as dist
 
 import graphzero
-from scenario_utils import (Reference, ReductionCounter, assert_grads_close, assert_no_full_grads,
-                            assert_params_close, data, ds_config, engine, full_grads, mlp, rank_world)
+from scenario_utils import (
+    ReductionCounter,
+    Reference,
+    assert_grads_close,
+    assert_no_full_grads,
+    assert_params_close,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -23,7 +23,8 @@ Linear(width, vocab) (the ``head`` part). Losses are computed in fp32 from the p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,9 @@ class ModelSize:
     vocab: int = 1024
     heads: int = 4
 
+
+#: The size fields, in order: each is also a ``graphzero-compare`` option (``--width``, ...).
+SIZE_FIELDS = tuple(f.name for f in fields(ModelSize))
 
 DEFAULT_SIZES: dict[str, ModelSize] = {
     "mlp": ModelSize(width=512, depth=6, batch=64),
@@ -73,6 +77,11 @@ def resolve_size(model: str, tiny: bool = False, **overrides: int | None) -> Mod
     if model == "transformer" and size.width % size.heads:
         raise ValueError(f"transformer width {size.width} is not divisible by heads {size.heads}")
     return size
+
+
+def size_from_args(args: Any) -> ModelSize:
+    """``resolve_size`` for parsed ``graphzero-compare`` options (``model``, ``tiny``, ``width``, ...)."""
+    return resolve_size(args.model, args.tiny, **{k: getattr(args, k) for k in SIZE_FIELDS})
 
 
 @dataclass

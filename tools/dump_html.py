@@ -4,13 +4,24 @@ highlighted per engine. No external resources, no JavaScript."""
 from __future__ import annotations
 
 import html
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .dump_cli import (TABLE_HEADERS, Dump, DumpError, Entry, GraphInfo, PassInfo, _or_unknown, code_entries,
-                       diff_entries, dump_header, final_file, graphs_of, inserted_engines, log, read_code,
-                       table_rows)
+from .dump_model import (
+    Dump,
+    DumpError,
+    GraphInfo,
+    PassInfo,
+    final_file,
+    graphs_of,
+    inserted_engines,
+    read_code,
+)
+from .dump_views import TABLE_HEADERS, Entry, code_entries, diff_entries, dump_header, or_unknown, table_rows
+
+log = logging.getLogger(__name__)
 
 # (light background of inserted code, strong colour of the engine label)
 ENGINE_COLORS = (
@@ -145,7 +156,7 @@ def html_graph(dump: Dump, graph: GraphInfo, palette: Mapping[str, int]) -> str:
     return (
         f'<h2 id="{anchor}">graph {html.escape(graph.id)}</h2>'
         f'<p class="meta">{where}inner compiler: {html.escape(graph.inner)}, '
-        f"graph breaks: {_or_unknown(graph.graph_breaks)}</p>"
+        f"graph breaks: {or_unknown(graph.graph_breaks)}</p>"
         f"{html_engine_table(graph, palette)}"
         f"<h3>passes</h3>{passes}"
         f'<h3>final backward graph <span class="meta">({html.escape(final_file(graph))})</span></h3>'

@@ -17,19 +17,24 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-import graphzero  # noqa: E402
+import graphzero
 
 CONFIG = {"train_micro_batch_size_per_gpu": 64, "gradient_clipping": 1.0, "steps_per_print": 10**9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
           "zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": False}}}
+
+
+def _deepspeed():
+    """DeepSpeed, imported on first use rather than at import: its import is slow and reads
+    DS_ACCELERATOR, which this script sets (CPU) when there is no CUDA."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
 
 
 def mlp() -> nn.Sequential:
@@ -42,6 +47,7 @@ def synced() -> float:
 
 
 def graphzero_step(a_model, b_model, how: str, collective: str):
+    deepspeed = _deepspeed()
     a = deepspeed.initialize(model=a_model, config=CONFIG)[0]
     b = deepspeed.initialize(model=b_model, config=CONFIG)[0]
     options = {"collective": collective}
@@ -126,10 +132,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    _deepspeed().init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     torch.set_default_device(device)
     x, y = torch.randn(64, 512), torch.randn(64, 512)

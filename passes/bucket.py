@@ -14,7 +14,7 @@ it needs. The graph, hence the order of collectives, is the same on every rank.
 """
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 
 from ._graph import Bucket, GradOutput, PassContext
 

@@ -14,7 +14,7 @@ gradients are removed from the graph's outputs (None), so autograd keeps no full
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ..ownership import ParamSet
 from ._graph import Inserter, PassContext, output_node

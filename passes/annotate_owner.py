@@ -7,7 +7,7 @@ PlainAOTInput(idx=i))``). Slots whose input is a parameter some engine owns beco
 """
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 
 from ._graph import GradOutput, PassContext, output_node
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.fx as fx
+from torch import fx
 
 from ._graph import Bucket, GradOutput, PassContext
 from .annotate_owner import annotate_owner
@@ -34,5 +34,15 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
     return gm
 
 
-__all__ = ["PIPELINE", "Bucket", "GradOutput", "PassContext", "run_pipeline", "annotate_owner", "bucket",
-           "insert_reduce_scatter", "fp32_accumulate", "schedule_overlap"]
+__all__ = [
+    "PIPELINE",
+    "Bucket",
+    "GradOutput",
+    "PassContext",
+    "annotate_owner",
+    "bucket",
+    "fp32_accumulate",
+    "insert_reduce_scatter",
+    "run_pipeline",
+    "schedule_overlap",
+]

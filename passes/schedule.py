@@ -9,7 +9,7 @@ comm passes recognise the same functional collectives.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ._graph import PassContext
 

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.utils._pytree import tree_map
 
 from ..ownership import OwnedInput, Ownership, ParamSet

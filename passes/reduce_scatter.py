@@ -17,7 +17,7 @@ Functional collectives rather than custom ops: inductor's comm passes recognise 
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ._graph import Bucket, Inserter, PassContext, last_in_order
 
