@@ -17,10 +17,10 @@ from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 
 from . import deepspeed_adapter, early_attach, rank_agreement, retrace
+from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
 from .options import Options
-from .autograd_semantics import AccumulationProbe
 from .ownership import Ownership, ParamSet
 from .passes import PassContext, run_pipeline
 

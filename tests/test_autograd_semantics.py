@@ -8,8 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scenario_utils import (Reference, assert_grads_close, assert_params_close, data, ds_config, engine, full_grads,
-                            mlp, rank_world)
+from scenario_utils import (
+    Reference,
+    assert_grads_close,
+    assert_params_close,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
-from scenario_utils import (Reference, ReductionCounter, assert_grads_close, assert_no_full_grads, ds_config, engine,
-                            full_grads, rank_world)
+from scenario_utils import (
+    ReductionCounter,
+    Reference,
+    assert_grads_close,
+    assert_no_full_grads,
+    ds_config,
+    engine,
+    full_grads,
+    rank_world,
+)
 
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
