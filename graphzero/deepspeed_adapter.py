@@ -107,6 +107,12 @@ def _check_config(name: str, engine) -> None:
         raise unsupported("zero_optimization.offload_optimizer", "optimizer offload")
     if _offloads(engine.zero_offload_param()):
         raise unsupported("zero_optimization.offload_param", "parameter offload")
+    if engine.zero_quantized_gradients():
+        raise unsupported("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradient reduction")
+    if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
+        raise unsupported("zero_optimization.zero_quantized_weights", "ZeRO++ quantized weights")
+    if engine.zero_hpz_partition_size() > 1:
+        raise unsupported("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning")
     if engine.torch_autocast_enabled():
         raise unsupported("torch_autocast.enabled", "autocast inside the engine")
     if not engine.managed_gradient_accumulation():

@@ -38,13 +38,10 @@ def _on_compile_start(_args: Any) -> None:
     if not options or not options.get("engines"):
         return
     from . import deepspeed_adapter
-    from .errors import GraphZeroError
     from .options import Options
-    try:
-        deepspeed_adapter.attach(Options.parse(options).engines)
-    except GraphZeroError as err:
-        # The backend raises the same error, on every rank, once the graph reaches it.
-        log.debug("graphzero: attaching before tracing failed (%s); the backend will report it", err)
+    # A GraphZeroError here (bad option, not an engine, unsupported config) reaches the caller of
+    # the compiled step as it is, before anything is traced: Dynamo re-raises it on every rank.
+    deepspeed_adapter.attach(Options.parse(options).engines)
 
 
 def _options_of_compile_in_progress() -> dict | None:

@@ -138,3 +138,16 @@ def check_same_world(param_sets: Sequence[ParamSet]) -> None:
         raise WorldMismatchError(
             "engines in one compiled graph must share a data-parallel world size, got "
             + ", ".join(f"engine {ps.name!r}: {ps.world_size}" for ps in param_sets))
+    # Same size is not enough: the averaged gradient differs unless the same ranks contribute.
+    members = {ps.name: _group_ranks(ps) for ps in param_sets}
+    if len(set(members.values())) > 1:
+        raise WorldMismatchError(
+            "engines in one compiled graph must average over the same data-parallel ranks, got "
+            + ", ".join(f"engine {name!r}: ranks {list(ranks)}" for name, ranks in members.items()))
+
+
+def _group_ranks(ps: ParamSet) -> tuple[int, ...]:
+    import torch.distributed as dist
+    if ps.process_group is None or not dist.is_initialized():
+        return tuple(range(ps.world_size))
+    return tuple(dist.get_process_group_ranks(ps.process_group))

@@ -124,3 +124,105 @@ def test_engines_on_mismatched_worlds(ranks):
 def test_bad_options(ranks):
     messages = ranks.run(bad_option_scenario)[0]
     assert "unknown graphzero option" in messages[0]
+
+
+def unsupported_key_scenario(key: str) -> str:
+    torch.manual_seed(0)
+    zero = {"stage": 2}
+    extra = {}
+    if key == "offload_optimizer":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        extra["zero_force_ds_cpu_optimizer"] = False
+    elif key in ("zero_quantized_gradients", "zero_quantized_weights"):
+        zero[key] = True
+    elif key == "zero_hpz_partition_size":
+        zero[key] = 2
+    model = mlp(4, 8, 2)
+    if key == "PipelineModule":
+        from deepspeed.pipe import PipelineModule
+        model = PipelineModule(layers=[nn.Linear(4, 4), nn.Linear(4, 2)], num_stages=1, loss_fn=nn.MSELoss())
+    elif key == "MoE layers":
+        from deepspeed.moe.layer import MoE
+
+        class WithExperts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.moe = MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=1)
+
+            def forward(self, x):
+                return self.moe(x)[0]
+
+        model = WithExperts()
+    config = ds_config(2, **extra)
+    config["zero_optimization"] = zero
+    if key == "PipelineModule":
+        config["zero_optimization"] = {"stage": 1}  # DeepSpeed allows pipelines with ZeRO-1 only
+    eng = engine(model, config)
+    return expect_error({"policy": eng}, graphzero.UnsupportedConfigError, "'policy'", key)
+
+
+# fp16 is refused too ("fp16.enabled"), but DeepSpeed itself refuses fp16 on CPU before any
+# engine exists, so it cannot be exercised here.
+@pytest.mark.parametrize("key", ["offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights",
+                                 "zero_hpz_partition_size", "PipelineModule", "MoE layers"])
+def test_each_unsupported_config_key_is_named(ranks, key):
+    try:
+        ranks.run(unsupported_key_scenario, key)
+    finally:
+        if key in ("PipelineModule", "MoE layers"):
+            ranks.close()  # both create DeepSpeed process groups of their own
+
+
+def bad_option_types_scenario() -> list[str]:
+    eng = engine(mlp(4, 8, 2), ds_config(1))
+    return [expect_error({"m": eng}, graphzero.OptionError, "'overlap'", "'yes'", overlap="yes"),
+            expect_error({"m": eng}, graphzero.OptionError, "'collective'", collective="ring"),
+            expect_error({"m": eng}, graphzero.OptionError, "'dump_ranks'", dump_ranks="1"),
+            expect_error({"m": eng}, graphzero.OptionError, "'bucket_size'", bucket_size=2.5),
+            single_engine_not_in_a_list(eng)]
+
+
+def single_engine_not_in_a_list(eng) -> str:
+    """``options={"engines": engine}``: a common slip, named with what to write instead."""
+    rank, _ = rank_world()
+    step = torch.compile(lambda m, x: m(x).sum(), backend="graphzero", options={"engines": eng})
+    with pytest.raises(graphzero.OptionError, match="'engines'.*DeepSpeedEngine"):
+        step(eng, *data(0, rank, (2, 4)))
+    dist.barrier()
+    return "ok"
+
+
+def test_options_with_wrong_types(ranks):
+    ranks.run(bad_option_types_scenario)
+
+
+def unused_engine_scenario() -> dict:
+    """A step whose loss does not use a listed engine: a warning naming it, its shard untouched."""
+    import logging
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    used, idle = engine(mlp(4, 8, 2), ds_config(2)), engine(mlp(4, 8, 2), ds_config(2))
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger("graphzero").addHandler(handler)
+    try:
+        step = torch.compile(lambda m, x: m(x).square().mean(), backend="graphzero",
+                             options={"engines": {"used": used, "idle": idle}, "inner": "eager"})
+        step(used, *data(0, rank, (2, 4))).backward()
+    finally:
+        logging.getLogger("graphzero").removeHandler(handler)
+    used.step()
+    with pytest.raises(graphzero.NoGradientError, match="'idle'"):
+        idle.step()
+    return {"warned": any("'idle'" in r and "does not use" in r for r in records),
+            "idle_untouched": all(v is None for v in idle.optimizer.averaged_gradients.values())}
+
+
+def test_loss_that_does_not_use_a_listed_engine(ranks):
+    results = ranks.run(unused_engine_scenario)
+    assert all(r == {"warned": True, "idle_untouched": True} for r in results), results
