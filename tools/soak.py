@@ -1,0 +1,160 @@
+"""``graphzero-soak``: a long GAN run under graphzero that watches memory and recompiles.
+
+    graphzero-soak --steps 2000 --json soak.json        # 2 gloo ranks, GAN workload, ZeRO-2
+    torchrun --nproc-per-node 2 -m graphzero_tools.soak --steps 500 --stage 1
+
+Each rank trains the ``gan`` workload (the discriminator is called twice in one loss) with both
+engines owned by graphzero, samples its resident memory every ``--sample-every`` steps and reads
+Dynamo's counters (graphs compiled, graph breaks, recompiles). After the warm-up (``--warmup``
+steps) a healthy run shows no RSS growth beyond noise and no further compiles. Rank 0 prints a
+table and writes JSON; the exit code is 1 when a check fails (``--max-growth-mib``, recompiles).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+import torch
+
+log = logging.getLogger("graphzero.soak")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graphzero-soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    p.add_argument("--sample-every", type=int, default=100, help="RSS/counter sample interval in steps")
+    p.add_argument("--warmup", type=int, default=200, help="steps before growth is measured")
+    p.add_argument("--stage", type=int, choices=(1, 2), default=2, help="ZeRO stage of both engines")
+    p.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
+    p.add_argument("--width", type=int, default=64, help="hidden width of both models")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under a launcher)")
+    p.add_argument("--max-growth-mib", type=float, default=16.0,
+                   help="fail when RSS grows more than this after warm-up (default 16 MiB)")
+    p.add_argument("--json", help="write the samples and verdict here (rank 0)")
+    return p
+
+
+def _ds_config(stage: int, batch: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+            "timers": {"throughput": {"enabled": False}}, "steps_per_print": 10**9}
+
+
+def _counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "recompiles": int(sum(counters["recompiles"].values()))}
+
+
+def run_rank(args: argparse.Namespace) -> dict | None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    import graphzero  # noqa: F401  (registers the backend)
+
+    from .bench_metrics import rss_bytes
+    from .bench_models import build_workload, resolve_size
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank = dist.get_rank()
+    size = resolve_size("gan", tiny=True, width=args.width)
+    work = build_workload("gan", size, seed=0)
+    engines = {name: deepspeed.initialize(model=part, config=_ds_config(args.stage, size.batch),
+                                          model_parameters=part.parameters())[0]
+               for name, part in work.parts.items()}
+    step = torch.compile(work.loss, backend="graphzero", options={"engines": engines, "inner": args.inner})
+    gen = torch.Generator().manual_seed(1000 + rank)
+    samples, start = [], time.perf_counter()
+    for t in range(1, args.steps + 1):
+        step(engines, *work.make_batch(gen)).backward()
+        for eng in engines.values():
+            eng.step()
+        if t % args.sample_every == 0 or t == args.steps:
+            sample = {"step": t, "rss_mib": rss_bytes() / 2**20, "seconds": time.perf_counter() - start,
+                      **_counters()}
+            samples.append(sample)
+            if rank == 0:
+                log.info("step %d/%d: rss %.1f MiB, %d graphs, %d recompiles, %.1f s", t, args.steps,
+                         sample["rss_mib"], sample["graphs"], sample["recompiles"], sample["seconds"])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, samples)
+    dist.destroy_process_group()
+    return _verdict(args, everyone) if rank == 0 else None
+
+
+def _verdict(args: argparse.Namespace, per_rank: list[list[dict]]) -> dict:
+    ranks = []
+    for rank, samples in enumerate(per_rank):
+        after = [s for s in samples if s["step"] >= args.warmup] or samples[-1:]
+        growth = after[-1]["rss_mib"] - after[0]["rss_mib"]
+        late_compiles = after[-1]["graphs"] - after[0]["graphs"]
+        ranks.append({"rank": rank, "rss_growth_mib": growth, "compiles_after_warmup": late_compiles,
+                      "recompiles": samples[-1]["recompiles"], "graph_breaks": samples[-1]["graph_breaks"],
+                      "graphs": samples[-1]["graphs"], "samples": samples})
+    ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["compiles_after_warmup"] == 0
+             and r["recompiles"] == 0 for r in ranks)
+    return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
+            "width": args.width, "max_growth_mib": args.max_growth_mib, "ok": ok, "ranks": ranks}
+
+
+def format_table(result: dict) -> str:
+    from tabulate import tabulate
+    rows = []
+    for r in result["ranks"]:
+        for s in r["samples"]:
+            rows.append([r["rank"], s["step"], f"{s['rss_mib']:.1f}", s["graphs"], s["recompiles"],
+                         s["graph_breaks"], f"{s['seconds']:.1f}"])
+    table = tabulate(rows, headers=["rank", "step", "RSS MiB", "graphs", "recompiles", "breaks", "seconds"])
+    summary = "; ".join(f"rank {r['rank']}: RSS growth after warm-up {r['rss_growth_mib']:+.1f} MiB, "
+                        f"{r['compiles_after_warmup']} compiles after warm-up, {r['recompiles']} recompiles"
+                        for r in result["ranks"])
+    return f"{table}\n\n{summary}\nverdict: {'ok' if result['ok'] else 'FAILED'}"
+
+
+def _report(args: argparse.Namespace, result: dict | None) -> int:
+    if result is None:
+        return 0
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["ok"] else 1
+
+
+def _spawn_entry(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.world_size), LOCAL_WORLD_SIZE=str(args.world_size))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    code = _report(args, run_rank(args))
+    if code:
+        sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        return _report(args, run_rank(args))
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_spawn_entry, args=(args, port), nprocs=args.world_size, join=True)
+    except Exception as e:  # noqa: BLE001  (a rank failed or a check failed: say so, exit 1)
+        print(f"graphzero-soak: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
