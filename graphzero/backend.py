@@ -51,7 +51,11 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
                                                     "DeepSpeed's forward hooks")
         bindings = deepspeed_adapter.attach(opts.engines)
     else:
-        bindings = _attached_bindings(example_inputs)
+        bindings = []
+    # Engines attached earlier (by another graph's options or graphzero.attach) whose parameters
+    # this graph uses are reduced here too, not by the eager safety net (e.g. a GAN's G-step graph
+    # that lists only the generator but runs through the discriminator).
+    bindings += [b for b in _attached_bindings(example_inputs) if b not in bindings]
     ownership = Ownership.build(example_inputs, [b.param_set for b in bindings])
     graph_id = _graph_id()
     dump = GraphDump.for_graph(opts, graph_id)
