@@ -1,6 +1,28 @@
+import os
+import pathlib
+import time
+
 import pytest
 
 from rankpool import RankPool
+
+STALE_LOCK_S = 600
+
+
+def pytest_configure(config):
+    """Build DeepSpeed's CPU shared-memory comm op once, here, before any rank starts.
+
+    Otherwise the first two ranks build it concurrently under torch's file lock; a rank killed
+    while holding that lock (a scenario that fails during start-up) leaves it behind and every later
+    DeepSpeed init waits on it forever. A lock older than 10 minutes is such a leftover."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = pathlib.Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    from deepspeed.comm.torch import build_shm_op
+    build_shm_op()
 
 
 @pytest.fixture(scope="session")
