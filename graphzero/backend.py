@@ -138,7 +138,7 @@ class BackwardTransform:
     def wrap(self, compiled, ctx: PassContext):
         if not ctx.runtime_inputs:
             return compiled
-        return BackwardWithRuntimeInputs(compiled, ctx, self.graph_id)
+        return BackwardWithRuntimeInputs(compiled, ctx, self.graph_id, self.opts.fault_timeout_s)
 
 
 class BackwardWithRuntimeInputs:
@@ -149,7 +149,7 @@ class BackwardWithRuntimeInputs:
     factor depends on how this backward was launched.
     """
 
-    def __init__(self, compiled, ctx: PassContext, graph_id: str) -> None:
+    def __init__(self, compiled, ctx: PassContext, graph_id: str, fault_timeout_s: float | None) -> None:
         # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
         self._boxed_call = True
         self.compiled = compiled
@@ -166,6 +166,7 @@ class BackwardWithRuntimeInputs:
         # One exchange per data-parallel group (usually all engines share one).
         self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
         self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
+        self.fault_timeout_s = fault_timeout_s
 
     def _scale(self, value: float) -> torch.Tensor:
         if value not in self._scale_tensors:
@@ -192,7 +193,7 @@ class BackwardWithRuntimeInputs:
             scales[ps] = ps.runtime_scale()
         args.extend(buffers[ps][g] if kind == "sink" else self._scale(scales[ps]) for kind, ps, g in self.runtime_inputs)
         for _, group in self.groups:
-            rank_agreement.agree(self.fingerprint, group, self.what)
+            rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)
         with rank_agreement.collective_failures(self.what):
             return self.compiled(args)
 
@@ -231,3 +232,7 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
         return t.wrap(make_boxed_func(graph.forward), ctx)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+
+
+# How early_attach recognises this backend without importing this module (no import circle).
+graphzero_backend.is_graphzero_backend = True

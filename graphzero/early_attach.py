@@ -52,13 +52,12 @@ def _options_of_compile_in_progress() -> dict | None:
     """
     from torch._dynamo.eval_frame import innermost_backend
 
-    from .backend import graphzero_backend
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_compile" and code.co_filename.endswith(_CONVERT_FRAME_FILE):
             wrapper = innermost_backend(frame.f_locals.get("compiler_fn"))
-            if getattr(wrapper, "compiler_fn", None) is not graphzero_backend:
+            if not getattr(getattr(wrapper, "compiler_fn", None), "is_graphzero_backend", False):
                 return None
             return dict(getattr(wrapper, "kwargs", {}).get("options") or {})
         frame = frame.f_back

@@ -26,6 +26,9 @@ class Options:
     overlap: issue each bucket's collective as soon as its gradients exist and wait as late as
         possible; off waits right after issuing.
     dump_dir / dump_ranks: where and from which ranks to write the graph dump (docs/dump-format.md).
+    fault_timeout_s: how long a rank waits for its peers at the start of each backward before
+        raising RankFaultError (a peer that raised, or whose compile failed); None: the process
+        group's own timeout.
     """
 
     engines: tuple[tuple[str, Any], ...] = ()
@@ -35,6 +38,7 @@ class Options:
     overlap: bool = True
     dump_dir: str | None = None
     dump_ranks: str = "0"
+    fault_timeout_s: float | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> Options:
@@ -62,8 +66,13 @@ class Options:
         dump_ranks = str(options.get("dump_ranks", os.environ.get("GRAPHZERO_DUMP_RANKS", "0")))
         if dump_ranks not in DUMP_RANKS:
             raise OptionError(f"option 'dump_ranks' must be one of {DUMP_RANKS}, got {dump_ranks!r}")
+        fault_timeout_s = options.get("fault_timeout_s")
+        if fault_timeout_s is not None and (isinstance(fault_timeout_s, bool)
+                                            or not isinstance(fault_timeout_s, (int, float)) or fault_timeout_s <= 0):
+            raise OptionError(f"option 'fault_timeout_s' must be a positive number of seconds, got {fault_timeout_s!r}")
         return cls(engines=engines, inner=inner, bucket_size=bucket_size, collective=collective,
-                   overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks)
+                   overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks,
+                   fault_timeout_s=None if fault_timeout_s is None else float(fault_timeout_s))
 
 
 def _parse_engines(engines: Any) -> tuple[tuple[str, Any], ...]:

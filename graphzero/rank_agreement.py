@@ -14,6 +14,7 @@ timeout; `collective_failures` turns that into a `RankFaultError` naming the gra
 from __future__ import annotations
 
 import contextlib
+import datetime
 import zlib
 from collections.abc import Iterator
 
@@ -29,15 +30,23 @@ def fingerprint(plan: object) -> int:
     return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
 
 
-def agree(value: int, process_group: object, what: str) -> None:
-    """All-gather ``value`` over the group; raise on every rank unless all ranks hold the same one."""
+def agree(value: int, process_group: object, what: str, timeout_s: float | None = None) -> None:
+    """All-gather ``value`` over the group; raise on every rank unless all ranks hold the same one.
+
+    A peer that never arrives (it raised before this point, or its compile failed) is a
+    RankFaultError after ``timeout_s`` seconds, or the process group's own timeout when None.
+    """
     world = dist.get_world_size(process_group)
     if world == 1:
         return
     mine = torch.tensor([value], dtype=torch.int64)
     every = torch.empty(world, dtype=torch.int64)
     with collective_failures(what):
-        dist.all_gather_into_tensor(every, mine, group=process_group)
+        work = dist.all_gather_into_tensor(every, mine, group=process_group, async_op=True)
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     values = every.tolist()
     if len(set(values)) > 1:
         ranks = dist.get_process_group_ranks(process_group)

@@ -3,7 +3,7 @@ surviving rank, never a hang or a mixed reduction.
 
 - rank agreement: one rank compiles a different graph (rank-dependent Python forces it to
   recompile) or runs the step eagerly while the other runs the compiled graph;
-- faults (own 2-rank pool, 10 s process-group timeout): a rank that raises before backward, a rank
+- faults (own 2-rank pool, option fault_timeout_s=10): a rank that raises before backward, a rank
   whose compile fails, a rank killed mid-step.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def fault_scenario(kind: str) -> dict:
     rank, _ = rank_world()
     torch.manual_seed(0)
     eng = engine(mlp(8, 16, 4), ds_config(2))
-    options = {"engines": {"net": eng}, "inner": "eager"}
+    options = {"engines": {"net": eng}, "inner": "eager", "fault_timeout_s": 10}
     if kind == "compile_fails" and rank == 1:
         options["bucket_size"] = -1  # this rank's compile fails (OptionError)
     step = torch.compile(lambda m, x: m(x).square().mean(), backend="graphzero", options=options)
