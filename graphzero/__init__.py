@@ -12,11 +12,11 @@ from typing import Any
 
 from . import deepspeed_adapter
 from .backend import graphzero_backend
-from .errors import (GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
+from .errors import (AccelerateError, GraphZeroError, NotAnEngineError, OptionError, OwnershipError, UnsupportedConfigError,
                      WorldMismatchError)
 from .options import Options
 
-__all__ = ["GraphZeroError", "NotAnEngineError", "OptionError", "OwnershipError", "UnsupportedConfigError",
+__all__ = ["AccelerateError", "GraphZeroError", "NotAnEngineError", "OptionError", "OwnershipError", "UnsupportedConfigError",
            "WorldMismatchError", "attach", "detach", "graphzero_backend"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
@@ -58,3 +58,12 @@ def _register_torch_logs() -> None:
 
 _register()
 _register_torch_logs()
+
+
+def __getattr__(name: str) -> Any:
+    # `graphzero.accelerate` (HF Accelerate integration) is imported on first use: accelerate is an
+    # optional extra, and `import graphzero` must not import it.
+    if name == "accelerate":
+        import importlib
+        return importlib.import_module(".accelerate", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
