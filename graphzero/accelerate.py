@@ -119,6 +119,8 @@ def enable(*accelerators: Any) -> dict[str, Any]:
     # Validates every engine (config, ownership, world size) before changing any of them.
     deepspeed_adapter.attach([(name, engine) for name, engine, _ in found])
     registry = _registry(accelerators[0])
+    for name, engine, _ in found:
+        _check_gas(accelerators[0], _Model(name, engine))
     for name, engine, optimizers in found:
         record = registry.get(engine)
         if record is None:

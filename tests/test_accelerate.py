@@ -221,6 +221,58 @@ def teacher_scenario(steps: int = 3) -> None:
             assert torch.equal(p.detach(), q.detach()), "the teacher changed"
 
 
+def d_loss(models, z, real):
+    gen, disc = models["gen"], models["disc"]
+    return nn.functional.softplus(disc(gen(z).detach())).mean() + nn.functional.softplus(-disc(real)).mean()
+
+
+def g_loss(models, z):
+    return nn.functional.softplus(-models["disc"](models["gen"](z))).mean()
+
+
+def ref_step_one(ref: Reference, name: str) -> None:
+    params = [p for p in ref.models[name].parameters() if p.grad is not None]
+    ref.norms[name] = float(torch.nn.utils.clip_grad_norm_(params, ref.clip))
+    ref.opts[name].step()
+    ref.opts[name].zero_grad(set_to_none=True)
+
+
+def two_phase_gan_scenario(steps: int = 3) -> None:
+    """The usual GAN loop: a D-step, then a G-step whose loss also reaches D. Each optimizer's
+    step() steps only its own engine (stepping every engine inside accelerator.backward would step
+    D a second time, on the generator's loss); opt_d.zero_grad() drops D's gradient from the G-step."""
+    rank, world = rank_world()
+    with fresh_accelerate():
+        torch.manual_seed(3)
+        G, D = mlp(8, 16, 8), mlp(8, 16, 1)
+        ref = Reference({"gen": G, "disc": D})
+        acc = make_accelerator({"gen": plugin_config(2), "disc": plugin_config(1)})
+        gen, opt_g = prepare(acc, "gen", G)
+        disc, opt_d = prepare(acc, "disc", D)
+        graphzero.accelerate.enable(acc)
+        engines = {"gen": gen, "disc": disc}
+        step_d = torch.compile(d_loss, backend="graphzero")
+        step_g = torch.compile(g_loss, backend="graphzero")
+        for t in range(steps):
+            z, real = data(t, rank, (4, 8), (4, 8))
+            with acc.accumulate(gen, disc):
+                opt_d.zero_grad()
+                ref.opts["disc"].zero_grad(set_to_none=True)
+                acc.backward(step_d(engines, z, real))
+                ref.accumulate(d_loss, [data(t, r, (4, 8), (4, 8)) for r in range(world)])
+                check_boundary(t, {"disc": disc}, ref)
+                opt_d.step()
+                ref_step_one(ref, "disc")
+                opt_g.zero_grad()
+                acc.backward(step_g(engines, z))
+                ref.accumulate(g_loss, [data(t, r, (4, 8))[:1] for r in range(world)])
+                check_boundary(t, {"gen": gen}, ref)
+                opt_g.step()
+                ref_step_one(ref, "gen")
+            check_after_step(t, engines, ref)
+        assert gen.global_steps == disc.global_steps == steps
+
+
 def without_graphzero_scenario(steps: int = 2) -> dict:
     """The same GAN loop with Accelerate alone: accelerator.backward runs the first engine's
     engine.backward + engine.step; the discriminator's optimizer step is a no-op."""
@@ -271,13 +323,21 @@ def errors_scenario() -> dict:
         expect("plain_model", lambda: graphzero.accelerate.enable(acc), "torch.nn.modules.linear.Linear",
                "without DeepSpeed")
 
-    # Plugins whose gradient_accumulation_steps differ from the Accelerator's.
+    # Plugins whose gradient_accumulation_steps differ from the Accelerator's (Accelerate takes the
+    # last prepared plugin's value).
     with fresh_accelerate():
         acc, engines, opt_g, opt_d = gan_setup(gas=1, disc_gas=2)
+        expect("gas", lambda: graphzero.accelerate.enable(acc), "'gen'", "gradient_accumulation_steps=1", "over 2")
+
+    # A model prepared after enable() (checked before any collective: an eager loss is enough).
+    with fresh_accelerate():
+        acc = make_accelerator({"gen": plugin_config(2), "disc": plugin_config(1)})
+        gen, opt_g = prepare(acc, "gen", mlp(8, 8, 8))
         graphzero.accelerate.enable(acc)
-        step = torch.compile(gan_loss, backend="graphzero")
-        expect("gas", lambda: acc.backward(step(engines, *data(0, rank, (4, 8), (4, 8)))), "'gen'",
-               "gradient_accumulation_steps=1", "over 2")
+        disc, opt_d = prepare(acc, "disc", mlp(8, 8, 1))
+        z, real = data(0, rank, (4, 8), (4, 8))
+        expect("prepared_after_enable", lambda: acc.backward(gan_loss({"gen": gen, "disc": disc}, z, real)),
+               "prepared after graphzero.accelerate.enable()", "torch.nn.modules.container.Sequential")
         graphzero.accelerate.disable(acc)
 
     with fresh_accelerate():
@@ -331,6 +391,10 @@ def test_chain_gradient_accumulation_2(ranks):
     ranks.run(chain_scenario)
 
 
+def test_two_phase_gan_each_optimizer_steps_its_engine(ranks):
+    ranks.run(two_phase_gan_scenario)
+
+
 def test_teacher_no_grad_and_two_trained_models(ranks):
     ranks.run(teacher_scenario)
 
@@ -346,7 +410,8 @@ def test_without_graphzero_the_second_model_stays_untrained(ranks):
 
 def test_errors(ranks):
     results = ranks.run(errors_scenario)
-    assert results[0].keys() == {"plain_model", "gas", "second_backward", "double_step", "not_stepped"}
+    assert results[0].keys() == {"plain_model", "gas", "prepared_after_enable", "second_backward", "double_step",
+                                 "not_stepped"}
     assert results[0] == results[1]
 
 
