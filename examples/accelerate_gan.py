@@ -18,6 +18,7 @@ never change). Each rank builds its own data from the RANK environment variable:
 Accelerate reports num_processes=1 under its DeepSpeed launch, so the script checks the world
 size torch.distributed actually has.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,28 +38,44 @@ import graphzero.accelerate  # noqa: E402
 
 
 def mlp(width_in: int, hidden: int, width_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(width_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                         nn.Linear(hidden, width_out))
+    return nn.Sequential(
+        nn.Linear(width_in, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, width_out),
+    )
 
 
 def plugin(stage: int, micro_batch: int, gas: int):
     from accelerate.utils import DeepSpeedPlugin
+
     # Keyword arguments, not a config dict: under `accelerate launch` a DeepSpeed section in the
     # launch config and a plugin's own hf_ds_config exclude each other.
     p = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gas, gradient_clipping=1.0)
     p.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
-    p.deepspeed_config.pop("train_batch_size", None)    # DeepSpeed derives it from its real world size
+    p.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from its real world size
     p.deepspeed_config["timers"] = {"throughput": {"enabled": False}}
     return p
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
-    parser.add_argument("--gas", type=int, default=int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1)),
-                        help="Accelerate gradient accumulation steps (default: the launch config's)")
-    parser.add_argument("--disc-zero-stage", type=int, default=None,
-                        help="the discriminator's ZeRO stage (default: the launch config's zero_stage)")
+    parser.add_argument(
+        "--gas",
+        type=int,
+        default=int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1)),
+        help="Accelerate gradient accumulation steps (default: the launch config's)",
+    )
+    parser.add_argument(
+        "--disc-zero-stage",
+        type=int,
+        default=None,
+        help="the discriminator's ZeRO stage (default: the launch config's zero_stage)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
 
@@ -72,22 +89,28 @@ def main() -> None:
     gen_stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
     disc_stage = gen_stage if args.disc_zero_stage is None else args.disc_zero_stage
     micro_batch, latent, features = 16, 16, 32
-    plugins = {"gen": plugin(gen_stage, micro_batch, args.gas), "disc": plugin(disc_stage, micro_batch, args.gas)}
+    plugins = {
+        "gen": plugin(gen_stage, micro_batch, args.gas),
+        "disc": plugin(disc_stage, micro_batch, args.gas),
+    }
     accelerator = Accelerator(deepspeed_plugins=plugins, gradient_accumulation_steps=args.gas)
     if rank == 0:
-        print(f"world size {world} (Accelerate reports num_processes={accelerator.num_processes}), "
-              f"gen ZeRO-{gen_stage}, disc ZeRO-{disc_stage}, gradient accumulation {args.gas}", flush=True)
+        print(
+            f"world size {world} (Accelerate reports num_processes={accelerator.num_processes}), "
+            f"gen ZeRO-{gen_stage}, disc ZeRO-{disc_stage}, gradient accumulation {args.gas}",
+            flush=True,
+        )
 
     torch.manual_seed(0)
     G, D = mlp(latent, 64, features), mlp(features, 64, 1)
     opt_g = torch.optim.AdamW(G.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=0.0)
     opt_d = torch.optim.AdamW(D.parameters(), lr=args.lr, betas=(0.5, 0.999), weight_decay=0.0)
     accelerator.state.select_deepspeed_plugin("gen")
-    gen, opt_g = accelerator.prepare(G, opt_g)          # Accelerate + DeepSpeed: one model per prepare()
+    gen, opt_g = accelerator.prepare(G, opt_g)  # Accelerate + DeepSpeed: one model per prepare()
     accelerator.state.select_deepspeed_plugin("disc")
     disc, opt_d = accelerator.prepare(D, opt_d)
 
-    graphzero.accelerate.enable(accelerator)            # the one added line
+    graphzero.accelerate.enable(accelerator)  # the one added line
 
     def gan_loss(z, real):
         gen_term = nn.functional.softplus(-disc(gen(z))).mean()
@@ -96,7 +119,7 @@ def main() -> None:
 
     step = torch.compile(gan_loss, backend="graphzero")
 
-    g = torch.Generator().manual_seed(1234 + rank)     # each rank its own data
+    g = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
     real_mean = torch.linspace(-1, 1, features)
     device = accelerator.device
     history = []
@@ -107,9 +130,9 @@ def main() -> None:
             real = (real_mean + 0.1 * torch.randn(micro_batch, features, generator=g)).to(device)
             with accelerator.accumulate(gen, disc):
                 loss, gen_term, disc_term = step(z, real)
-                accelerator.backward(loss)              # one plain backward; graphzero reduces both engines
+                accelerator.backward(loss)  # one plain backward; graphzero reduces both engines
                 opt_g.step()
-                opt_d.step()                           # each steps its own engine, once per accumulation window
+                opt_d.step()  # each steps its own engine, once per accumulation window
                 opt_g.zero_grad()
                 opt_d.zero_grad()
             terms += torch.stack([gen_term, disc_term]).cpu() / args.gas
@@ -117,14 +140,19 @@ def main() -> None:
         terms /= world
         history.append(terms)
         if rank == 0:
-            print(f"step {t}: gen loss {terms[0]:.4f}  disc loss {terms[1]:.4f}  "
-                  f"|grad| gen {float(gen.get_global_grad_norm()):.4f} disc {float(disc.get_global_grad_norm()):.4f}",
-                  flush=True)
+            print(
+                f"step {t}: gen loss {terms[0]:.4f}  disc loss {terms[1]:.4f}  "
+                f"|grad| gen {float(gen.get_global_grad_norm()):.4f} disc {float(disc.get_global_grad_norm()):.4f}",
+                flush=True,
+            )
     if rank == 0:
         first, last = history[0], history[-1]
         ok = bool((last < first).all())
-        print(f"gen loss {first[0]:.4f} -> {last[0]:.4f}, disc loss {first[1]:.4f} -> {last[1]:.4f}: "
-              f"{'both decreased' if ok else 'NOT both decreased'}", flush=True)
+        print(
+            f"gen loss {first[0]:.4f} -> {last[0]:.4f}, disc loss {first[1]:.4f} -> {last[1]:.4f}: "
+            f"{'both decreased' if ok else 'NOT both decreased'}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

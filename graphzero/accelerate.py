@@ -50,6 +50,7 @@ Both forms work: one ``Accelerator(deepspeed_plugins={name: plugin, ...})`` with
 Accelerate's design the first one holds every plugin and later ones are created without one);
 call ``enable(acc_a, acc_b)`` (or ``enable`` on each). Models are named after their plugin.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,7 +80,8 @@ class _Model:
 
     name: str
     engine: Any
-    # Gradients left by a sync (boundary) backward that no step()/zero_grad() has consumed yet.
+    # Set by a sync (boundary) backward that left gradients in the engine: they must be consumed
+    # (step) or dropped (zero_grad) before the next backward.
     awaiting_step: bool = False
     optimizers: list = field(default_factory=list)
 
@@ -105,22 +107,19 @@ def enable(*accelerators: Any) -> dict[str, Any]:
     engines (named after their DeepSpeed plugin). Idempotent.
     """
     if not accelerators:
-        raise AccelerateError("graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train")
+        raise AccelerateError(
+            "graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train"
+        )
     _check_version()
     found: list[tuple[str, Any, list]] = []
     for accelerator in accelerators:
         _check_accelerator(accelerator)
         found += _deepspeed_models(accelerator)
-    names = [name for name, _, _ in found]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise AccelerateError(f"two prepared models would both be named {duplicates}: give each model its own "
-                              "DeepSpeed plugin")
+    for name, engine, _ in found:
+        _check_gas(accelerators[0], _Model(name, engine))
     # Validates every engine (config, ownership, world size) before changing any of them.
     deepspeed_adapter.attach([(name, engine) for name, engine, _ in found])
     registry = _registry(accelerators[0])
-    for name, engine, _ in found:
-        _check_gas(accelerators[0], _Model(name, engine))
     for name, engine, optimizers in found:
         record = registry.get(engine)
         if record is None:
@@ -133,7 +132,9 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         _patch_accelerator(accelerator)
     for name, engine, optimizers in found:
         if not optimizers:
-            log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name)
+            log.warning(
+                "graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name
+            )
     log.info("graphzero.accelerate: attached %s", [name for name, _, _ in found])
     return {name: engine for name, engine, _ in found}
 
@@ -159,20 +160,25 @@ def disable(*accelerators: Any) -> None:
 
 # -- checks ---------------------------------------------------------------------------------------
 
+
 def _check_version() -> None:
     try:
         import accelerate
         from accelerate import Accelerator
         from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper  # noqa: F401
     except ImportError as exc:
-        raise AccelerateError(f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}")
+        raise AccelerateError(
+            f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}"
+        )
     from packaging.version import Version
+
     version = Version(accelerate.__version__)
     if not Version(MIN_VERSION) <= version < Version(MAX_VERSION_EXCLUSIVE):
         raise AccelerateError(
             f"accelerate {accelerate.__version__} is not a version graphzero.accelerate understands "
             f"(tested: >={MIN_VERSION},<{MAX_VERSION_EXCLUSIVE}); it replaces Accelerate's DeepSpeed backward and "
-            "optimizer wrappers and cannot tell whether they still work the way it assumes")
+            "optimizer wrappers and cannot tell whether they still work the way it assumes"
+        )
     # The one code path replaced: Accelerator.backward must reach DeepSpeed through
     # deepspeed_engine_wrapped.backward(loss, sync_gradients=...), or that replacement is bypassed.
     try:
@@ -182,23 +188,29 @@ def _check_version() -> None:
     if source is not None and "deepspeed_engine_wrapped.backward" not in source:
         raise AccelerateError(
             f"accelerate {accelerate.__version__}: Accelerator.backward no longer calls "
-            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()")
+            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()"
+        )
 
 
 def _check_accelerator(accelerator: Any) -> None:
     from accelerate.utils import DistributedType
+
     for attr in ("_models", "_optimizers", "gradient_state", "deepspeed_engine_wrapped", "no_sync", "state"):
         if not hasattr(accelerator, attr):
-            raise AccelerateError(f"{type(accelerator).__name__} has no {attr!r}: not an Accelerator this version of "
-                                  "graphzero.accelerate understands")
+            raise AccelerateError(
+                f"{type(accelerator).__name__} has no {attr!r}: not an Accelerator this version of "
+                "graphzero.accelerate understands"
+            )
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise AccelerateError(
             f"the Accelerator uses {accelerator.distributed_type}, not DeepSpeed: graphzero.accelerate trains "
-            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))")
+            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))"
+        )
 
 
 def _is_engine(obj: Any) -> bool:
     from deepspeed.runtime.engine import DeepSpeedEngine
+
     return isinstance(obj, DeepSpeedEngine)
 
 
@@ -211,9 +223,9 @@ def _deepspeed_models(accelerator: Any) -> list[tuple[str, Any, list]]:
     """``(name, engine, [prepared optimizer wrappers])`` of each trainable DeepSpeed model; refuses
     models and optimizers that Accelerate prepared without DeepSpeed."""
     from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
-    plugins = dict(getattr(accelerator.state, "deepspeed_plugins", None) or {})
-    if not isinstance(getattr(accelerator.state, "deepspeed_plugins", None), dict):
-        plugins = {"model": accelerator.state.deepspeed_plugins} if plugins else {}
+
+    raw = getattr(accelerator.state, "deepspeed_plugins", None)
+    plugins = dict(raw) if isinstance(raw, dict) else ({"model": raw} if raw is not None else {})
     found = []
     engines = [m for m in accelerator._models if _is_engine(m)]
     for i, model in enumerate(accelerator._models):
@@ -224,20 +236,29 @@ def _deepspeed_models(accelerator: Any) -> list[tuple[str, Any, list]]:
             raise AccelerateError(
                 f"model {i} ({_describe(model)}) was prepared without DeepSpeed next to DeepSpeed engines: its "
                 f"gradients (e.g. {trainable[0]!r}) would be neither averaged over ranks nor stepped by any engine. "
-                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it")
+                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it"
+            )
     for opt in accelerator._optimizers:
         if not isinstance(opt, DeepSpeedOptimizerWrapper):
             raise AccelerateError(
                 f"optimizer {type(getattr(opt, 'optimizer', opt)).__name__} was prepared without DeepSpeed next to "
                 "DeepSpeed engines: graphzero.accelerate cannot tell which model it trains. Prepare each model "
-                "together with its optimizer")
+                "together with its optimizer"
+            )
     registry = _registry(accelerator)
-    for k, engine in enumerate(engines):
-        name = _plugin_name(engine, plugins, registry) or f"model{len(registry) + k}"
+    taken = {record.name: engine for engine, record in registry.items()}
+    for engine in engines:
+        name = _plugin_name(engine, plugins, registry) or "model"
+        if taken.get(name, engine) is not engine:
+            # Several models prepared under one plugin: model, model1, model2, ...
+            name = next(f"{name}{k}" for k in range(1, len(taken) + 2) if f"{name}{k}" not in taken)
+        taken[name] = engine
         if engine.optimizer is None:
             # Inference only (a teacher): nothing to reduce or step. Its parameters get plain
             # autograd .grad if a loss reaches them with grad enabled.
-            log.info("graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name)
+            log.info(
+                "graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name
+            )
             continue
         optimizers = [opt for opt in accelerator._optimizers if opt.optimizer is engine.optimizer]
         found.append((name, engine, optimizers))
@@ -262,14 +283,18 @@ def _check_gas(accelerator: Any, record: _Model) -> None:
             f"model {record.name!r}: DeepSpeed gradient_accumulation_steps={gas} but the Accelerator accumulates "
             f"over {accelerator.gradient_accumulation_steps} micro-batches: the engine would scale gradients by "
             f"1/{gas} and step on Accelerate's boundary. Give every plugin the same gradient_accumulation_steps "
-            "(or 'auto') as the Accelerator")
+            "(or 'auto') as the Accelerator"
+        )
 
 
 # -- the Accelerate-specific part that reads DeepSpeed optimizer state ----------------------------
 
+
 def _has_gradients(engine: Any) -> bool:
     """Whether the engine holds reduced gradients its next boundary step() would consume."""
     binding = deepspeed_adapter.binding_of(engine)
+    if binding is None:  # given back to DeepSpeed (graphzero.detach)
+        return False
     opt = engine.optimizer
     if binding.kind == "bf16":
         return any(any(flags) for flags in opt.fp32_groups_has_gradients)
@@ -278,28 +303,29 @@ def _has_gradients(engine: Any) -> bool:
 
 # -- patches --------------------------------------------------------------------------------------
 
+
 def _patch_optimizer(opt: Any, record: _Model) -> None:
     engine = record.engine
 
     def step(closure: Any = None) -> None:
         if closure is not None:
-            raise AccelerateError(f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines")
+            raise AccelerateError(
+                f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines"
+            )
         sync = opt.gradient_state.sync_gradients
         if sync and not _has_gradients(engine):
             raise AccelerateError(
                 f"model {record.name!r}: optimizer.step() at an accumulation boundary, but the model received no "
                 "gradient since its last step (a second step() without a backward in between, or a loss that does "
-                "not reach this model)")
+                "not reach this model)"
+            )
         # DeepSpeed's managed accumulation: engine.step() every micro-batch; Accelerate decides the boundary.
         engine.set_gradient_accumulation_boundary(sync)
         engine.step()
-        if sync:
-            record.awaiting_step = False
 
     def zero_grad(set_to_none: bool | None = None) -> None:
         if opt.gradient_state.sync_gradients:
             engine.zero_grad()  # drops graphzero's accumulated shards too (adapter)
-            record.awaiting_step = False
 
     opt.step = step
     opt.zero_grad = zero_grad
@@ -327,28 +353,35 @@ class _PlainBackward:
             raise AccelerateError(
                 f"accelerator.backward() of a loss whose graph was already reduced by graphzero (models "
                 f"{sorted(r.name for r in records)}): a second backward would add every engine's reduced "
-                "gradient again. Call accelerator.backward() once per loss (sum the losses first)")
-        unattached = [m for m in accelerator._models
-                      if _is_engine(m) and m.optimizer is not None and m not in registry]
+                "gradient again. Call accelerator.backward() once per loss (sum the losses first)"
+            )
+        unattached = [
+            m for m in accelerator._models if _is_engine(m) and m.optimizer is not None and m not in registry
+        ]
         if unattached:
             raise AccelerateError(
                 f"model ({_describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "
-                "enable(accelerator) again after the last accelerator.prepare()")
+                "enable(accelerator) again after the last accelerator.prepare()"
+            )
         for record in records:
             _check_gas(accelerator, record)
-        stale = [r.name for r in records if r.awaiting_step]
+        # Gradients a boundary backward left are consumed by a step() or dropped by zero_grad()
+        # (the optimizer's or the engine's own) before the next backward, or nobody steps them.
+        stale = [r.name for r in records if r.awaiting_step and _has_gradients(r.engine)]
         if stale:
             raise AccelerateError(
                 f"model(s) {stale} still hold gradients from the last accumulation boundary that neither "
                 "optimizer.step() nor optimizer.zero_grad() consumed; under graphzero.accelerate, "
-                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())")
+                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())"
+            )
+        for record in records:
+            record.awaiting_step = False
         loss.backward(**kwargs)
         if grad_fn is not None:
             grad_fn.metadata["graphzero_reduced"] = True
         if sync_gradients:
             for record in records:
-                if record.optimizers and _has_gradients(record.engine):
-                    record.awaiting_step = True
+                record.awaiting_step = _has_gradients(record.engine)
 
 
 def _patch_accelerator(accelerator: Any) -> None:

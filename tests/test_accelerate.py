@@ -12,6 +12,7 @@ atol 1e-5, norms rtol 1e-4 / atol 1e-6.
 On CPU Accelerate reports num_processes=1 (it picks no distributed backend for a CPU DeepSpeed
 launch); the scenarios take rank and world size from torch.distributed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import graphzero
-from scenario_utils import (LR, Reference, ReductionCounter, assert_grads_close, assert_no_full_grads,
-                            assert_params_close, data, ds_config, full_grads, mlp, rank_world)
+from scenario_utils import (
+    LR,
+    Reference,
+    ReductionCounter,
+    assert_grads_close,
+    assert_no_full_grads,
+    assert_params_close,
+    data,
+    ds_config,
+    full_grads,
+    mlp,
+    rank_world,
+)
 
 pytest.importorskip("accelerate")
 
@@ -34,8 +46,10 @@ NORM_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 # -- helpers (run on the ranks) -------------------------------------------------------------------
 
+
 def reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
+
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
@@ -53,6 +67,7 @@ def plugin_config(stage: int, *, gas=1, optimizer: bool = False) -> dict:
 def make_accelerator(configs: dict[str, dict] | None, gas: int = 1):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
+
     if configs is None:  # a second Accelerator: shares the first one's plugins (Accelerate's design)
         return Accelerator()
     plugins = {name: DeepSpeedPlugin(hf_ds_config=cfg) for name, cfg in configs.items()}
@@ -88,12 +103,17 @@ def check_boundary(t: int, engines: dict, ref: Reference) -> None:
 
 def check_after_step(t: int, engines: dict, ref: Reference) -> None:
     for name, eng in engines.items():
-        torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], **NORM_TOL,
-                                   msg=lambda m, name=name: f"step {t} {name} grad norm: {m}")
+        torch.testing.assert_close(
+            float(eng.get_global_grad_norm()),
+            ref.norms[name],
+            **NORM_TOL,
+            msg=lambda m, name=name: f"step {t} {name} grad norm: {m}",
+        )
         assert_params_close(eng, ref.models[name], **PARAM_TOL, what=f"step {t} {name}")
 
 
 # -- scenarios ------------------------------------------------------------------------------------
+
 
 def gan_scenario(per_model_accelerators: bool, steps: int = 3) -> dict:
     """Generator (ZeRO-2) and discriminator (ZeRO-1), the discriminator called twice in one loss;
@@ -122,7 +142,10 @@ def gan_scenario(per_model_accelerators: bool, steps: int = 3) -> dict:
                 assert_no_full_grads(gen, disc)
                 ref.accumulate(gan_loss, [data(t, r, (4, 8), (4, 8)) for r in range(world)])
                 check_boundary(t, engines, ref)
-                opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()  # noqa: E702
+                opt_g.step()
+                opt_d.step()
+                opt_g.zero_grad()
+                opt_d.zero_grad()  # noqa: E702
             ref.step()
             check_after_step(t, engines, ref)
         assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
@@ -146,12 +169,15 @@ def chain_scenario(steps: int = 3, gas: int = 2) -> None:
     gradient_accumulation_steps "auto". The ZeRO-1 plugin is selected last, so Accelerate's
     accumulate() would call DeepSpeed's no_sync() on the ZeRO-2 engine, which refuses it."""
     from accelerate.state import PartialState
+
     rank, world = rank_world()
     with fresh_accelerate():
         torch.manual_seed(1)
         B, H = mlp(8, 16, 8), mlp(8, 8, 2)
         ref = Reference({"body": B, "head": H})
-        acc = make_accelerator({"body": plugin_config(2, gas="auto"), "head": plugin_config(1, gas="auto")}, gas=gas)
+        acc = make_accelerator(
+            {"body": plugin_config(2, gas="auto"), "head": plugin_config(1, gas="auto")}, gas=gas
+        )
         body, opt_b = prepare(acc, "body", B)
         head, opt_h = prepare(acc, "head", H)
         # Accelerate on CPU reports one process, and then never calls no_sync(); on GPUs it reports
@@ -174,7 +200,10 @@ def chain_scenario(steps: int = 3, gas: int = 2) -> None:
                     ref.accumulate(chain_loss, [data(i, r, (4, 8)) for r in range(world)], gas=gas)
                     if acc.sync_gradients:
                         check_boundary(t, engines, ref)
-                    opt_b.step(); opt_h.step(); opt_b.zero_grad(); opt_h.zero_grad()  # noqa: E702
+                    opt_b.step()
+                    opt_h.step()
+                    opt_b.zero_grad()
+                    opt_h.zero_grad()  # noqa: E702
             ref.step()
             check_after_step(t, engines, ref)
             assert body.global_steps == head.global_steps == t + 1
@@ -197,8 +226,9 @@ def teacher_scenario(steps: int = 3) -> None:
         ref = Reference({"student": S, "head": H})
         ref_teacher = __import__("copy").deepcopy(T)
         # The teacher's plugin: no ZeRO (DeepSpeed refuses ZeRO-1/2 without an optimizer).
-        acc = make_accelerator({"student": plugin_config(2), "head": plugin_config(2),
-                                "teacher": plugin_config(0)})
+        acc = make_accelerator(
+            {"student": plugin_config(2), "head": plugin_config(2), "teacher": plugin_config(0)}
+        )
         student, opt_s = prepare(acc, "student", S)
         head, opt_h = prepare(acc, "head", H)
         teacher, _ = prepare(acc, "teacher", T, with_optimizer=False)
@@ -211,10 +241,15 @@ def teacher_scenario(steps: int = 3) -> None:
             with acc.accumulate(student, head):
                 acc.backward(step({**engines, "teacher": teacher}, x))
                 assert all(p.grad is None for p in teacher.parameters()), "the teacher got gradients"
-                ref.accumulate(lambda m, x: distill_loss({**m, "teacher": ref_teacher}, x),
-                               [data(t, r, (4, 8)) for r in range(world)])
+                ref.accumulate(
+                    lambda m, x: distill_loss({**m, "teacher": ref_teacher}, x),
+                    [data(t, r, (4, 8)) for r in range(world)],
+                )
                 check_boundary(t, engines, ref)
-                opt_s.step(); opt_h.step(); opt_s.zero_grad(); opt_h.zero_grad()  # noqa: E702
+                opt_s.step()
+                opt_h.step()
+                opt_s.zero_grad()
+                opt_h.zero_grad()  # noqa: E702
             ref.step()
             check_after_step(t, engines, ref)
         for p, q in zip(teacher.module.parameters(), T.parameters()):
@@ -283,27 +318,36 @@ def without_graphzero_scenario(steps: int = 2) -> dict:
         acc = make_accelerator({"gen": plugin_config(2), "disc": plugin_config(1)})
         gen, opt_g = prepare(acc, "gen", G)
         disc, opt_d = prepare(acc, "disc", D)
-        before = {k: [p.detach().clone() for p in m.module.parameters()] for k, m in (("gen", gen), ("disc", disc))}
+        before = {
+            k: [p.detach().clone() for p in m.module.parameters()] for k, m in (("gen", gen), ("disc", disc))
+        }
         for t in range(steps):
             z, real = data(t, rank, (4, 8), (4, 8))
             with acc.accumulate(gen, disc):
                 acc.backward(gan_loss({"gen": gen, "disc": disc}, z, real))
-                opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()  # noqa: E702
-        changed = {k: any(not torch.equal(a, p.detach()) for a, p in zip(before[k], m.module.parameters()))
-                   for k, m in (("gen", gen), ("disc", disc))}
+                opt_g.step()
+                opt_d.step()
+                opt_g.zero_grad()
+                opt_d.zero_grad()  # noqa: E702
+        changed = {
+            k: any(not torch.equal(a, p.detach()) for a, p in zip(before[k], m.module.parameters()))
+            for k, m in (("gen", gen), ("disc", disc))
+        }
         return {"changed": changed, "steps": {"gen": gen.global_steps, "disc": disc.global_steps}}
 
 
 def errors_scenario() -> dict:
     """Each error of graphzero.accelerate, raised on every rank before any collective."""
     from accelerate.state import GradientState
+
     rank, _ = rank_world()
     messages = {}
 
     def gan_setup(gas: int = 1, disc_gas=None):
         torch.manual_seed(0)
-        acc = make_accelerator({"gen": plugin_config(2, gas=gas), "disc": plugin_config(1, gas=disc_gas or gas)},
-                               gas=gas)
+        acc = make_accelerator(
+            {"gen": plugin_config(2, gas=gas), "disc": plugin_config(1, gas=disc_gas or gas)}, gas=gas
+        )
         gen, opt_g = prepare(acc, "gen", mlp(8, 8, 8))
         disc, opt_d = prepare(acc, "disc", mlp(8, 8, 1))
         return acc, {"gen": gen, "disc": disc}, opt_g, opt_d
@@ -320,14 +364,24 @@ def errors_scenario() -> dict:
     with fresh_accelerate():
         acc, engines, *_ = gan_setup()
         acc.prepare_model(nn.Linear(8, 8))
-        expect("plain_model", lambda: graphzero.accelerate.enable(acc), "torch.nn.modules.linear.Linear",
-               "without DeepSpeed")
+        expect(
+            "plain_model",
+            lambda: graphzero.accelerate.enable(acc),
+            "torch.nn.modules.linear.Linear",
+            "without DeepSpeed",
+        )
 
     # Plugins whose gradient_accumulation_steps differ from the Accelerator's (Accelerate takes the
     # last prepared plugin's value).
     with fresh_accelerate():
         acc, engines, opt_g, opt_d = gan_setup(gas=1, disc_gas=2)
-        expect("gas", lambda: graphzero.accelerate.enable(acc), "'gen'", "gradient_accumulation_steps=1", "over 2")
+        expect(
+            "gas",
+            lambda: graphzero.accelerate.enable(acc),
+            "'gen'",
+            "gradient_accumulation_steps=1",
+            "over 2",
+        )
 
     # A model prepared after enable() (checked before any collective: an eager loss is enough).
     with fresh_accelerate():
@@ -336,8 +390,12 @@ def errors_scenario() -> dict:
         graphzero.accelerate.enable(acc)
         disc, opt_d = prepare(acc, "disc", mlp(8, 8, 1))
         z, real = data(0, rank, (4, 8), (4, 8))
-        expect("prepared_after_enable", lambda: acc.backward(gan_loss({"gen": gen, "disc": disc}, z, real)),
-               "prepared after graphzero.accelerate.enable()", "torch.nn.modules.container.Sequential")
+        expect(
+            "prepared_after_enable",
+            lambda: acc.backward(gan_loss({"gen": gen, "disc": disc}, z, real)),
+            "prepared after graphzero.accelerate.enable()",
+            "torch.nn.modules.container.Sequential",
+        )
         graphzero.accelerate.disable(acc)
 
     with fresh_accelerate():
@@ -353,8 +411,12 @@ def errors_scenario() -> dict:
         # A second step() without a backward in between (DeepSpeed itself: TypeError).
         expect("double_step", lambda: opt_g.step(), "'gen'", "no gradient since its last step")
         # disc's optimizer was never stepped: relying on Accelerate-DeepSpeed's backward stepping.
-        expect("not_stepped", lambda: acc.backward(step(engines, *data(1, rank, (4, 8), (4, 8)))), "['disc']",
-               "optimizer.step()")
+        expect(
+            "not_stepped",
+            lambda: acc.backward(step(engines, *data(1, rank, (4, 8), (4, 8)))),
+            "['disc']",
+            "optimizer.step()",
+        )
         opt_d.step()
         assert GradientState().sync_gradients
         graphzero.accelerate.disable(acc)
@@ -363,6 +425,7 @@ def errors_scenario() -> dict:
 
 def version_scenario() -> str:
     import accelerate
+
     with fresh_accelerate():
         acc, *_ = (make_accelerator({"gen": plugin_config(2)}),)
         saved = accelerate.__version__
@@ -376,6 +439,7 @@ def version_scenario() -> str:
 
 
 # -- tests ----------------------------------------------------------------------------------------
+
 
 def test_gan_two_plugins_one_accelerator(ranks):
     results = ranks.run(gan_scenario, False)
@@ -410,8 +474,14 @@ def test_without_graphzero_the_second_model_stays_untrained(ranks):
 
 def test_errors(ranks):
     results = ranks.run(errors_scenario)
-    assert results[0].keys() == {"plain_model", "gas", "prepared_after_enable", "second_backward", "double_step",
-                                 "not_stepped"}
+    assert results[0].keys() == {
+        "plain_model",
+        "gas",
+        "prepared_after_enable",
+        "second_backward",
+        "double_step",
+        "not_stepped",
+    }
     assert results[0] == results[1]
 
 
