@@ -184,6 +184,10 @@ def chain_scenario(steps: int = 3, gas: int = 2) -> None:
         # the real count: make it so here, so that accumulate() takes the no_sync path.
         PartialState._shared_state["num_processes"] = world
         assert acc.use_distributed and acc.state.deepspeed_plugin.zero_stage == 1
+        # What accumulate() would run on the ZeRO-2 engine without graphzero.accelerate:
+        with pytest.raises(AssertionError, match="no_sync context manager is incompatible"):
+            with acc.no_sync(body):
+                pass
         graphzero.accelerate.enable(acc)
         engines = {"body": body, "head": head}
         assert body.gradient_accumulation_steps() == head.gradient_accumulation_steps() == gas
