@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .errors import (
+    AccelerateError,
     AutogradUsageError,
     GraphZeroError,
     NoGradientError,
@@ -33,8 +34,9 @@ from . import deepspeed_adapter, early_attach
 from .backend import graphzero_backend
 from .options import Options
 
-__all__ = ["AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError", "OptionError",
-           "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError", "VersionError",
+__all__ = ["AccelerateError", "AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError",
+           "OptionError", "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
+           "VersionError",
            "WorldMismatchError", "attach", "detach", "graphzero_backend"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
@@ -78,3 +80,12 @@ def _register_torch_logs() -> None:
 _register()
 _register_torch_logs()
 early_attach.install()
+
+
+def __getattr__(name: str) -> Any:
+    # `graphzero.accelerate` (HF Accelerate integration) is imported on first use: accelerate is an
+    # optional extra, and `import graphzero` must not import it.
+    if name == "accelerate":
+        import importlib
+        return importlib.import_module(".accelerate", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

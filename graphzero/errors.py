@@ -34,6 +34,11 @@ class OwnershipError(GraphZeroError):
     """A parameter is claimed by two engines."""
 
 
+class AccelerateError(GraphZeroError):
+    """An HF Accelerate setup or loop graphzero cannot make right (``graphzero.accelerate``); names the
+    model and the reason."""
+
+
 class WorldMismatchError(GraphZeroError):
     """Engines in one graph reduce over data-parallel groups of different sizes, or without this rank."""
 
