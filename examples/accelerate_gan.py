@@ -29,12 +29,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import deepspeed
+import torch.distributed as dist
+from torch import nn
 
-import graphzero  # noqa: E402,F401
-import graphzero.accelerate  # noqa: E402
+import graphzero
+import graphzero.accelerate
 
 
 def mlp(width_in: int, hidden: int, width_out: int) -> nn.Sequential:

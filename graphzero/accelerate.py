@@ -405,4 +405,4 @@ def _patch_accelerator(accelerator: Any) -> None:
     accelerator.no_sync = no_sync
 
 
-__all__ = ["enable", "disable", "MIN_VERSION", "MAX_VERSION_EXCLUSIVE"]
+__all__ = ["MAX_VERSION_EXCLUSIVE", "MIN_VERSION", "disable", "enable"]

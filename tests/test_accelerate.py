@@ -20,13 +20,13 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 import graphzero
 from scenario_utils import (
     LR,
-    Reference,
     ReductionCounter,
+    Reference,
     assert_grads_close,
     assert_no_full_grads,
     assert_params_close,
@@ -145,7 +145,7 @@ def gan_scenario(per_model_accelerators: bool, steps: int = 3) -> dict:
                 opt_g.step()
                 opt_d.step()
                 opt_g.zero_grad()
-                opt_d.zero_grad()  # noqa: E702
+                opt_d.zero_grad()
             ref.step()
             check_after_step(t, engines, ref)
         assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
@@ -207,7 +207,7 @@ def chain_scenario(steps: int = 3, gas: int = 2) -> None:
                     opt_b.step()
                     opt_h.step()
                     opt_b.zero_grad()
-                    opt_h.zero_grad()  # noqa: E702
+                    opt_h.zero_grad()
             ref.step()
             check_after_step(t, engines, ref)
             assert body.global_steps == head.global_steps == t + 1
@@ -253,7 +253,7 @@ def teacher_scenario(steps: int = 3) -> None:
                 opt_s.step()
                 opt_h.step()
                 opt_s.zero_grad()
-                opt_h.zero_grad()  # noqa: E702
+                opt_h.zero_grad()
             ref.step()
             check_after_step(t, engines, ref)
         for p, q in zip(teacher.module.parameters(), T.parameters()):
@@ -332,7 +332,7 @@ def without_graphzero_scenario(steps: int = 2) -> dict:
                 opt_g.step()
                 opt_d.step()
                 opt_g.zero_grad()
-                opt_d.zero_grad()  # noqa: E702
+                opt_d.zero_grad()
         changed = {
             k: any(not torch.equal(a, p.detach()) for a, p in zip(before[k], m.module.parameters()))
             for k, m in (("gen", gen), ("disc", disc))
