@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument(
         "--gas",
         type=int,
-        default=int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1)),
+        default=int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")),
         help="Accelerate gradient accumulation steps (default: the launch config's)",
     )
     parser.add_argument(
@@ -86,7 +86,7 @@ def main() -> None:
 
     from accelerate import Accelerator
 
-    gen_stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+    gen_stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
     disc_stage = gen_stage if args.disc_zero_stage is None else args.disc_zero_stage
     micro_batch, latent, features = 16, 16, 32
     plugins = {
