@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
+import accelerate
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +25,9 @@ from torch import nn
 
 import graphzero
 from scenario_utils import (
+    GRAD_TOL,
     LR,
+    PARAM_TOL,
     ReductionCounter,
     Reference,
     assert_grads_close,
@@ -33,14 +36,11 @@ from scenario_utils import (
     data,
     ds_config,
     full_grads,
+    gan_loss,
     mlp,
     rank_world,
 )
 
-pytest.importorskip("accelerate")
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
 NORM_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
@@ -89,11 +89,6 @@ def fresh_accelerate():
         yield
     finally:
         reset_accelerate()
-
-
-def gan_loss(models, z, real):
-    gen, disc = models["gen"], models["disc"]
-    return -disc(gen(z)).mean() + disc(real).mean()
 
 
 def check_boundary(t: int, engines: dict, ref: Reference) -> None:
@@ -427,7 +422,6 @@ def errors_scenario() -> dict:
 
 
 def version_scenario() -> str:
-    import accelerate
 
     with fresh_accelerate():
         acc, *_ = (make_accelerator({"gen": plugin_config(2)}),)

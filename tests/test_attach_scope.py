@@ -12,6 +12,7 @@ import torch
 
 from graphzero import deepspeed_adapter
 from scenario_utils import (
+    GRAD_TOL,
     Reference,
     assert_grads_close,
     assert_params_close,
@@ -22,8 +23,6 @@ from scenario_utils import (
     mlp,
     rank_world,
 )
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def d_loss(disc, fake, real):

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from scenario_utils import (
+    GRAD_TOL,
+    PARAM_TOL,
     Reference,
     assert_grads_close,
     assert_params_close,
@@ -19,9 +21,6 @@ from scenario_utils import (
     mlp,
     rank_world,
 )
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def d_loss(models, z, real):

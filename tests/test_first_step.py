@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from scenario_utils import (
+    GRAD_TOL,
     ReductionCounter,
     Reference,
     assert_grads_close,
@@ -22,8 +23,6 @@ from scenario_utils import (
     full_grads,
     rank_world,
 )
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 class TwoLinear(nn.Module):

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from scenario_utils import (
+    GRAD_TOL,
+    PARAM_TOL,
     ReductionCounter,
     Reference,
     assert_grads_close,
@@ -20,17 +22,10 @@ from scenario_utils import (
     ds_config,
     engine,
     full_grads,
+    gan_loss,
     mlp,
     rank_world,
 )
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
-
-
-def gan_loss(models, z, real):
-    gen, disc = models["gen"], models["disc"]
-    return -disc(gen(z)).mean() + disc(real).mean()
 
 
 def gan_scenario(stage: int, inner: str, steps: int = 3, gas: int = 1, hidden: int = 16,

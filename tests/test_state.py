@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from scenario_utils import (
+    GRAD_TOL,
+    PARAM_TOL,
     Reference,
     assert_grads_close,
     assert_params_close,
@@ -23,17 +25,10 @@ from scenario_utils import (
     ds_config,
     engine,
     full_grads,
+    gan_loss,
     mlp,
     rank_world,
 )
-
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
-
-
-def gan_loss(models, z, real):
-    gen, disc = models["gen"], models["disc"]
-    return -disc(gen(z)).mean() + disc(real).mean()
 
 
 def _gan_engines(stage: int, gas: int = 1):
