@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 9): one short command for a session that is lent an NVIDIA GPU.
+#
+#   bash tools/gpu_bench.sh            # on the GPU machine, from the repository root, after `make install`
+#   GPU_BENCH_DRY_RUN=1 bash tools/gpu_bench.sh   # the same plumbing on CPU, tiny sizes (for a check here)
+#
+# World size 1 on one GPU (two NCCL ranks cannot share a GPU; DeepCompile also needs one GPU per
+# rank), the mlp and transformer workloads, ZeRO-2 fp32 and bf16, every runner graphzero-compare has
+# (graphzero inductor/eager, DeepSpeed eager with engine.backward and with plain backward,
+# DeepCompile, FSDP2, DDP). Results: JSON under $OUT (or gpu-bench/), and a section appended to
+# docs/benchmarks.md with the command, the machine and the date. Bounded: every run has a timeout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUTDIR=${OUT:-gpu-bench}
+mkdir -p "$OUTDIR"
+if [ "${GPU_BENCH_DRY_RUN:-0}" = 1 ]; then
+  device=cpu; size=(--tiny); steps=(--steps 2 --warmup 1); export DS_ACCELERATOR=cpu
+else
+  device=cuda; size=(); steps=(--steps 20 --warmup 3)
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use GPU_BENCH_DRY_RUN=1')"
+fi
+machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
+{
+  echo
+  echo "## GPU check (tools/gpu_bench.sh), $(date -u +%Y-%m-%d), $machine, world size 1"
+  echo
+} >> "$OUTDIR/section.md"
+for model in mlp transformer; do
+  for dtype in fp32 bf16; do
+    json="$OUTDIR/$model-$dtype.json"
+    cmd=("$PY" -m graphzero_tools.compare --model "$model" --stage 2 --dtype "$dtype" --world-size 1
+         --device "$device" "${size[@]}" "${steps[@]}" --no-progress --timeout 120 --json "$json")
+    echo "\$ ${cmd[*]}" | tee -a "$OUTDIR/section.md"
+    { echo '```'; timeout 300 "${cmd[@]}" 2>&1 | tail -n 25 || echo "(failed or timed out)"; echo '```'; } \
+      | tee -a "$OUTDIR/section.md"
+  done
+done
+if [ "${GPU_BENCH_DRY_RUN:-0}" != 1 ]; then
+  cat "$OUTDIR/section.md" >> docs/benchmarks.md
+fi
+echo "wrote $OUTDIR/section.md"
