@@ -79,6 +79,9 @@ class GraphDump:
     def forward(self, gm: fx.GraphModule) -> None:
         self._write("forward/000_input.py", gm)
 
+    def forward_stage(self, name: str, gm: fx.GraphModule) -> None:
+        self._write(f"forward/001_{name}.py", gm)
+
     def backward_stage(self, name: str, gm: fx.GraphModule) -> None:
         rel = f"backward/{self._stage:03d}_{name}.py"
         self._write(rel, gm)

@@ -98,8 +98,6 @@ def _check_config(name: str, engine) -> None:
         return UnsupportedConfigError(f"engine {name!r}: DeepSpeed config {key} is not supported by graphzero yet ({why})")
 
     stage = engine.zero_optimization_stage()
-    if stage == 3:
-        raise unsupported("zero_optimization.stage=3", "ZeRO-3 parameter partitioning is a later milestone")
     if stage == 0:
         raise unsupported("zero_optimization.stage=0", "use ZeRO stage 1 or 2")
     if engine.fp16_enabled():
@@ -127,7 +125,10 @@ def _check_config(name: str, engine) -> None:
     kind = _optimizer_kind(engine)
     if kind is None:
         raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
-                          "graphzero binds DeepSpeedZeroOptimizer and BF16_Optimizer")
+                          "graphzero binds DeepSpeedZeroOptimizer, BF16_Optimizer and DeepSpeedZeroOptimizer_Stage3")
+    if stage == 3:
+        from .zero3 import check_zero3_config
+        check_zero3_config(engine, unsupported)
 
 
 def _offloads(offload_config) -> bool:
@@ -137,13 +138,17 @@ def _offloads(offload_config) -> bool:
 
 def _binding_class(engine) -> type:
     from .bf16 import BF16Binding
+    from .zero3 import Zero3Binding
     from .zero12 import ZeroBinding
-    return {"zero": ZeroBinding, "bf16": BF16Binding}[_optimizer_kind(engine)]
+    return {"zero": ZeroBinding, "bf16": BF16Binding, "zero3": Zero3Binding}[_optimizer_kind(engine)]
 
 
 def _optimizer_kind(engine) -> str | None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return "zero3"
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         return "zero"
     if isinstance(engine.optimizer, BF16_Optimizer):
