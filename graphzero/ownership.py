@@ -34,6 +34,7 @@ class FlatGroup:
     sharded: bool
     presharded: bool = False
     shard_sizes: tuple[int, ...] = ()   # presharded: elements of each parameter's shard
+    full_numels: tuple[int, ...] = ()   # presharded: elements of each parameter, whole
 
     def shard_numel(self, world_size: int) -> int:
         return self.numel // world_size if self.sharded else self.numel
@@ -91,7 +92,8 @@ class ParamSet:
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for grp in self.groups for p in grp.params)
+        return sum(sum(grp.full_numels) if grp.presharded else sum(p.numel() for p in grp.params)
+                   for grp in self.groups)
 
     @property
     def num_params(self) -> int:

@@ -146,6 +146,11 @@ def gan_scenario(gen_stage: int, disc_stage: int, inner: str = "inductor", steps
                 assert_params_match(eng, ref.models[name], what=f"step {t} {name}")
     assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
     assert z3counter.total == 0, f"DeepSpeed's own ZeRO-3 fetch/release/reduction ran: {z3counter.calls}"
+    # Outside the compiled step (evaluation), the module sees the current parameters.
+    z, _ = data(99, rank, (4, 8), (4, 8), dtype=tdtype)
+    with torch.no_grad():
+        torch.testing.assert_close(gen(z).float(), ref.models["gen"](z.float()), rtol=2e-2 if dtype == "bf16" else 1e-4,
+                                   atol=2e-2 if dtype == "bf16" else 1e-5)
     return {"kinds": sorted(type(e.optimizer).__name__ for e in engines.values())}
 
 
@@ -161,3 +166,134 @@ def test_gan_both_zero3(ranks):
 def test_gan_zero3_generator_zero1_discriminator(ranks):
     results = ranks.run(gan_scenario, 3, 1)
     assert results[0]["kinds"] == ["DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"]
+
+
+def test_gan_bf16_fp32_accumulation_zero3(ranks):
+    ranks.run(gan_scenario, 3, 3, dtype="bf16", hidden=32)
+
+
+def test_persistent_parameter_next_to_partitioned(ranks):
+    # Biases (<= 16 elements) are below stage3_param_persistence_threshold: DeepSpeed keeps them
+    # gathered; graphzero still gathers them in-graph from their shards.
+    ranks.run(gan_scenario, 3, 3, threshold=16)
+
+
+def test_two_param_groups_zero3(ranks):
+    ranks.run(gan_scenario, 3, 3, param_groups=True)
+
+
+def chain_scenario(stages: dict[str, int], gas: int = 2, steps: int = 2, inner: str = "inductor") -> dict:
+    """test_multi_engine's chain (student -> frozen -> proj -> head, plus an unowned side module)
+    with per-engine ZeRO stages; the middle engine is called through ``engine.module``."""
+    from test_multi_engine import chain_loss, ref_chain_loss
+    rank, world = rank_world()
+    torch.manual_seed(1)
+    models = {"student": mlp(8, 16, 8), "proj": mlp(8, 16, 8), "head": mlp(8, 8, 2)}
+    frozen, side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    frozen.requires_grad_(False)
+    ref, ref_side = Reference(models), copy.deepcopy(side)
+    engines = {name: engine(m, z3_config(stages[name], gas=gas)) for name, m in models.items()}
+    counter, z3counter = ReductionCounter(*engines.values()), Zero3Counter(*engines.values())
+    graphzero.attach(**engines)
+    step = torch.compile(chain_loss, backend="graphzero", options={"engines": engines, "inner": inner})
+    inputs = {**engines, "frozen": frozen, "side": side}
+    for t in range(steps):
+        for micro in range(gas):
+            i = t * gas + micro
+            (x,) = data(i, rank, (4, 8))
+            side.zero_grad(set_to_none=True)
+            step(inputs, x).backward()
+            assert_released(*engines.values())
+            assert frozen.weight.grad is None, "frozen parameter got a gradient"
+            (side_ref_grad,) = torch.autograd.grad(ref_side(x).square().mean(), [ref_side.weight])
+            torch.testing.assert_close(side.weight.grad, side_ref_grad, rtol=1e-5, atol=1e-7)
+            ref.accumulate(lambda m, x: ref_chain_loss({**m, "frozen": frozen, "side": ref_side}, x),
+                           [data(i, r, (4, 8)) for r in range(world)], gas=gas)
+            if micro == gas - 1:
+                for name, eng in engines.items():
+                    assert_grads_close(full_grads(eng), ref.grads(name), **GRAD_TOL, what=f"step {t} {name}")
+            for eng in engines.values():
+                eng.step()
+        ref.step()
+        for name, eng in engines.items():
+            assert_params_match(eng, ref.models[name], what=f"step {t} {name}")
+            torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
+    assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
+    assert z3counter.total == 0, f"DeepSpeed's own ZeRO-3 fetch/release/reduction ran: {z3counter.calls}"
+    return {}
+
+
+def test_chain_of_three_engines_gas2_middle_zero3(ranks):
+    ranks.run(chain_scenario, {"student": 2, "proj": 3, "head": 1})
+
+
+def checkpoint_scenario(path: str, steps_before: int = 2, steps_after: int = 2) -> dict:
+    """Save mid-training, load into fresh engines, continue: identical to the uninterrupted run."""
+    rank, _ = rank_world()
+
+    def build():
+        torch.manual_seed(0)
+        engines = {"gen": engine(mlp(8, 16, 8), z3_config(3)), "disc": engine(mlp(8, 16, 1), z3_config(3))}
+        graphzero.attach(**engines)
+        return engines, torch.compile(gan_loss, backend="graphzero", options={"engines": engines})
+
+    def train(engines, step, first: int, count: int) -> None:
+        for t in range(first, first + count):
+            step(engines, *data(t, rank, (4, 8), (4, 8))).backward()
+            for eng in engines.values():
+                eng.step()
+
+    engines, step = build()
+    train(engines, step, 0, steps_before)
+    for name, eng in engines.items():
+        eng.save_checkpoint(path, tag=name)
+    train(engines, step, steps_before, steps_after)
+    expected = {name: full_params(eng) for name, eng in engines.items()}
+    fresh, fresh_step = build()
+    for name, eng in fresh.items():
+        eng.load_checkpoint(path, tag=name)
+    train(fresh, fresh_step, steps_before, steps_after)
+    for name, eng in fresh.items():
+        for i, (a, e) in enumerate(zip(full_params(eng), expected[name])):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m, i=i, name=name: f"{name} param {i}: {m}")
+    return {}
+
+
+def test_checkpoint_save_load_continue(ranks, tmp_path):
+    ranks.run(checkpoint_scenario, str(tmp_path))
+
+
+def gather_release_scenario(path: str) -> dict:
+    """A 6-layer MLP at ZeRO-3: every parameter is gathered once in forward, only the weights whose
+    input gradient backward needs are gathered again there (nothing full-size is saved for
+    backward), and the gathered bytes alive at once stay well below the whole model."""
+    from scenario_utils import compiled_graph_count
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    eng = engine(mlp(32, 64, 32, depth=6), z3_config(3))
+    graphzero.attach(net=eng)
+    loss = torch.compile(lambda m, x: m["net"](x).square().mean(), backend="graphzero",
+                         options={"engines": {"net": eng}, "dump_dir": path})
+    (x,) = data(0, rank, (4, 32))
+    loss({"net": eng}, x).backward()
+    assert_released(eng)
+    graphs, breaks = compiled_graph_count(loss, {"net": eng}, x)
+    import json
+    summary = json.loads((__import__("pathlib").Path(path) / "summary.json").read_text()) if rank == 0 else None
+    model_bytes = sum(p.ds_numel * 4 for p in eng.module.parameters())
+    return {"graphs": graphs, "breaks": breaks, "summary": summary, "model_bytes": model_bytes}
+
+
+def test_gathers_released_and_regathered_in_backward(ranks, tmp_path):
+    results = ranks.run(gather_release_scenario, str(tmp_path))
+    assert all((r["graphs"], r["breaks"]) == (1, 0) for r in results), results
+    (graph,) = results[0]["summary"]["graphs"][-1:]
+    net = graph["engines"]["net"]
+    assert net["all_gather_fwd"] == 12, net          # 6 weights + 6 biases
+    assert net["all_gather_bwd"] == 5, net           # the weights of layers 2..6 (input gradients)
+    assert net["reduce_scatter"] == 0 and net["buckets"] == 0, net   # the gathers' backward reduces
+    model_bytes = results[0]["model_bytes"]
+    assert net["numel"] * 4 == model_bytes, net
+    # one gather ahead of the layer computing: at most two weights (and biases) alive at once
+    assert 0 < net["gathered_peak_bytes_fwd"] <= 2 * (64 * 64 + 64) * 4 + 2 * 64 * 4, net
+    assert net["gathered_peak_bytes_fwd"] < model_bytes / 2, net

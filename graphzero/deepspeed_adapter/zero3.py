@@ -20,6 +20,7 @@ in the graph like the others; DeepSpeed's own copy stays as it manages it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -31,6 +32,15 @@ from ..shard_gather import gather_shard
 from .base import DeepSpeedBinding
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
+
+
+def _no_grad(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def check_zero3_config(engine, unsupported) -> None:
@@ -86,7 +96,8 @@ class Zero3Binding(DeepSpeedBinding):
             offsets = tuple(itertools.accumulate((0,) + sizes[:-1]))
             groups.append(FlatGroup(
                 params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
-                offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes))
+                offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes,
+                full_numels=tuple(int(p.ds_numel) for p in params)))
         return groups, opt.gradient_accumulation_dtype
 
     def _build_param_set(self):
@@ -143,6 +154,11 @@ class Zero3Binding(DeepSpeedBinding):
         owned = [(n, p) for g in ps.groups for n, p in zip(g.names, g.params)]
         for _, p in owned:
             p.ds_tensor.requires_grad_(True)
+            # DeepSpeed's own gathers (GatheredParameters, persistent parameters after step(),
+            # checkpoints) write into views made under no_grad: with a shard that requires grad they
+            # must run under no_grad too.
+            for attr in _PARAM_COLLECTIVES:
+                setattr(p, attr, _no_grad(getattr(p, attr)))
             self._shard_hooks.append(p.ds_tensor.register_post_accumulate_grad_hook(self._accumulate_eager_shard))
         unhooked = _Unhooked(module)
         world, group_name = ps.world_size, ps.group_name
@@ -164,6 +180,8 @@ class Zero3Binding(DeepSpeedBinding):
             for p in g.params:
                 p.ds_tensor.requires_grad_(False)
                 p.ds_tensor.grad = None
+                for attr in _PARAM_COLLECTIVES:
+                    setattr(p, attr, getattr(p, attr).__wrapped__)
         offload = opt.parameter_offload
         offload.forward_hooks.clear()
         offload.backward_hooks.clear()
