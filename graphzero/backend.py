@@ -22,7 +22,7 @@ from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
 from .options import Options
 from .ownership import Ownership, ParamSet
-from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, run_pipeline
+from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
 
 log = logging.getLogger("graphzero")
 
@@ -81,7 +81,8 @@ def _forget_speculation() -> None:
 def _attached_bindings(example_inputs: Sequence[Any]) -> list:
     bindings = []
     for x in example_inputs:
-        b = deepspeed_adapter.binding_of(x) if isinstance(x, torch.nn.Parameter) else None
+        # a parameter, or (ZeRO-3) a parameter's shard
+        b = deepspeed_adapter.binding_of(x) if isinstance(x, torch.Tensor) else None
         if b is not None and b not in bindings:
             bindings.append(b)
     return bindings
@@ -132,7 +133,7 @@ class BackwardTransform:
         ctx = self._context(example_inputs)
         self.dump.backward_stage("input", gm)
         if self.ownership.inputs:
-            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage)
+            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage, pipeline=backward_pipeline(self.gathers))
         if self.forward_ctx is not None:
             for ps, stats in self.forward_ctx.stats.items():
                 for key, value in stats.items():

@@ -297,3 +297,58 @@ def test_gathers_released_and_regathered_in_backward(ranks, tmp_path):
     # one gather ahead of the layer computing: at most two weights (and biases) alive at once
     assert 0 < net["gathered_peak_bytes_fwd"] <= 2 * (64 * 64 + 64) * 4 + 2 * 64 * 4, net
     assert net["gathered_peak_bytes_fwd"] < model_bytes / 2, net
+
+
+def eager_interop_scenario(path: str) -> dict:
+    """Checkpoints across graphzero and DeepSpeed eager ZeRO-3, both directions, then detach: the
+    engine trains under DeepSpeed eager again (its ZeRO-3 hooks are back)."""
+    rank, _ = rank_world()
+    loss_of = lambda m, z: m["gen"](z).square().mean()  # noqa: E731
+
+    def build(attached: bool, options: bool = True):
+        torch.manual_seed(0)
+        eng = engine(mlp(8, 16, 8), z3_config(3))
+        if not attached:
+            return eng, None
+        graphzero.attach(gen=eng)
+        if not options:   # the graph finds the attached engine through its shards
+            return eng, torch.compile(loss_of, backend="graphzero")
+        return eng, torch.compile(loss_of, backend="graphzero", options={"engines": {"gen": eng}})
+
+    def train(eng, step, first: int, count: int) -> None:
+        for t in range(first, first + count):
+            (z,) = data(t, rank, (4, 8))
+            if step is None:
+                eng.backward(loss_of({"gen": eng}, z))
+            else:
+                step({"gen": eng}, z).backward()
+            eng.step()
+
+    gz, gz_step = build(True)
+    train(gz, gz_step, 0, 2)
+    gz.save_checkpoint(path, tag="graphzero")
+    train(gz, gz_step, 2, 2)
+    expected = full_params(gz)
+    ds, _ = build(False)
+    train(ds, None, 0, 2)
+    ds.save_checkpoint(path, tag="eager")
+    # saved under graphzero, continued under DeepSpeed eager
+    to_eager, _ = build(False)
+    to_eager.load_checkpoint(path, tag="graphzero")
+    train(to_eager, None, 2, 2)
+    # saved under DeepSpeed eager, continued under graphzero
+    to_gz, to_gz_step = build(True, options=False)
+    to_gz.load_checkpoint(path, tag="eager")
+    train(to_gz, to_gz_step, 2, 2)
+    for what, eng in (("graphzero -> eager", to_eager), ("eager -> graphzero", to_gz)):
+        for i, (a, e) in enumerate(zip(full_params(eng), expected)):
+            torch.testing.assert_close(a, e, **PARAM_TOL, msg=lambda m, i=i, what=what: f"{what}: param {i}: {m}")
+    graphzero.detach(gz)
+    before = full_params(gz)
+    train(gz, None, 4, 1)
+    assert any(not torch.equal(a, b) for a, b in zip(full_params(gz), before)), "eager step after detach changed nothing"
+    return {}
+
+
+def test_checkpoints_across_graphzero_and_deepspeed_eager_then_detach(ranks, tmp_path):
+    ranks.run(eager_interop_scenario, str(tmp_path))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from ..shard_gather import gather_shard
-from .base import DeepSpeedBinding
+from .base import _BINDING_ATTR, DeepSpeedBinding
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
@@ -154,6 +154,7 @@ class Zero3Binding(DeepSpeedBinding):
         owned = [(n, p) for g in ps.groups for n, p in zip(g.names, g.params)]
         for _, p in owned:
             p.ds_tensor.requires_grad_(True)
+            setattr(p.ds_tensor, _BINDING_ATTR, self)   # graphs compiled without options find the engine
             # DeepSpeed's own gathers (GatheredParameters, persistent parameters after step(),
             # checkpoints) write into views made under no_grad: with a shard that requires grad they
             # must run under no_grad too.
@@ -180,6 +181,7 @@ class Zero3Binding(DeepSpeedBinding):
             for p in g.params:
                 p.ds_tensor.requires_grad_(False)
                 p.ds_tensor.grad = None
+                p.ds_tensor.__dict__.pop(_BINDING_ATTR, None)
                 for attr in _PARAM_COLLECTIVES:
                     setattr(p, attr, getattr(p, attr).__wrapped__)
         offload = opt.parameter_offload

@@ -26,13 +26,17 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 # Order matters: each pass relies on what the previous ones put in the context.
 #   annotate_owner -> ctx.grads; bucket -> ctx.buckets; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
-#   schedule_gathers_backward first: it moves the ZeRO-3 gathers the partitioner recomputed.
-PIPELINE: tuple[Pass, ...] = (schedule_gathers_backward, annotate_owner, bucket, insert_reduce_scatter,
-                              fp32_accumulate, schedule_overlap)
+PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph).
 FORWARD_PIPELINE: tuple[Pass, ...] = (schedule_gathers_forward,)
+
+
+def backward_pipeline(gathers: bool) -> tuple[Pass, ...]:
+    """The backward passes; with ZeRO-3 gathers, schedule_gathers_backward first (it moves the
+    gathers the partitioner recomputed before anything is inserted)."""
+    return ((schedule_gathers_backward,) if gathers else ()) + PIPELINE
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
@@ -46,6 +50,6 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
     return gm
 
 
-__all__ = ["PIPELINE", "JOINT_PIPELINE", "FORWARD_PIPELINE", "release", "schedule_gathers_forward",
+__all__ = ["PIPELINE", "JOINT_PIPELINE", "backward_pipeline", "FORWARD_PIPELINE", "release", "schedule_gathers_forward",
            "schedule_gathers_backward", "Bucket", "GradOutput", "PassContext", "run_pipeline", "annotate_owner", "bucket",
            "insert_reduce_scatter", "fp32_accumulate", "schedule_overlap"]
