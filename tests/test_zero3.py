@@ -352,3 +352,13 @@ def eager_interop_scenario(path: str) -> dict:
 
 def test_checkpoints_across_graphzero_and_deepspeed_eager_then_detach(ranks, tmp_path):
     ranks.run(eager_interop_scenario, str(tmp_path))
+
+
+def test_gan_world_size_3_uneven_partitions():
+    # 3 ranks: odd sizes (13 hidden units) leave padding in the last shard of most parameters.
+    from rankpool import RankPool
+    pool = RankPool(world_size=3)
+    try:
+        pool.run(gan_scenario, 3, 1, hidden=13)
+    finally:
+        pool.close()
