@@ -23,14 +23,16 @@ from .ownership import ParamSet
 class AccumulationProbe:
     """Per engine of one compiled backward: does this backward accumulate into its parameters?"""
 
-    def __init__(self, present: dict[ParamSet, Sequence[torch.nn.Parameter]]) -> None:
+    def __init__(self, present: dict[ParamSet, Sequence[tuple[torch.Tensor, str]]]) -> None:
+        """``present``: per engine, each graph input that receives a gradient here (the leaf
+        autograd would accumulate into: a parameter, or its ZeRO-3 shard) and its name."""
         self.present = present
         # AccumulateGrad nodes, kept alive so that the engine sees the same node objects.
         self._nodes: dict[ParamSet, list] = {}
 
     def _accumulate_nodes(self, ps: ParamSet) -> list:
         if ps not in self._nodes:
-            self._nodes[ps] = [get_gradient_edge(p).node for p in self.present[ps]]
+            self._nodes[ps] = [get_gradient_edge(leaf).node for leaf, _ in self.present[ps]]
         return self._nodes[ps]
 
     def accumulating(self) -> dict[ParamSet, bool]:
@@ -52,7 +54,7 @@ class AccumulationProbe:
             elif not any(will):
                 out[ps] = False
             else:
-                picked = [_name(ps, p) for p, w in zip(params, will) if w]
+                picked = [name for (_, name), w in zip(params, will) if w]
                 raise AutogradUsageError(
                     f"backward(inputs=...) selects only some of engine {ps.name!r}'s parameters used in this "
                     f"graph ({picked}); pass all of its parameters or none of them")
@@ -74,7 +76,3 @@ def _create_graph() -> bool:
         frame = frame.f_back
     return False
 
-
-def _name(ps: ParamSet, param: torch.nn.Parameter) -> str:
-    g, k = ps.locate(param)
-    return f"{ps.name}.{ps.groups[g].names[k]}"

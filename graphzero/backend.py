@@ -15,6 +15,7 @@ import torch
 from torch import fx
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import deepspeed_adapter, early_attach, rank_agreement, retrace
 from .autograd_semantics import AccumulationProbe
@@ -22,7 +23,7 @@ from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
 from .options import Options
 from .ownership import Ownership, ParamSet
-from .passes import PassContext, run_pipeline
+from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
 
 log = logging.getLogger("graphzero")
 
@@ -96,7 +97,8 @@ def _forget_speculation() -> None:
 def _attached_bindings(example_inputs: Sequence[Any]) -> list:
     bindings = []
     for x in example_inputs:
-        b = deepspeed_adapter.binding_of(x) if isinstance(x, torch.nn.Parameter) else None
+        # a parameter, or (ZeRO-3) a parameter's shard
+        b = deepspeed_adapter.binding_of(x) if isinstance(x, torch.Tensor) else None
         if b is not None and b not in bindings:
             bindings.append(b)
     return bindings
@@ -111,23 +113,48 @@ def _graph_id() -> str:
 
 
 class BackwardTransform:
-    """Runs the pass pipeline on one backward graph and wraps the compiled result."""
+    """Runs the pass pipelines on one graph's joint, forward and backward graphs and wraps the
+    compiled backward."""
 
     def __init__(self, ownership: Ownership, opts: Options, dump: GraphDump, graph_id: str) -> None:
         self.ownership = ownership
         self.opts = opts
         self.dump = dump
         self.graph_id = graph_id
+        # ZeRO-3 shards among the inputs: the joint and forward graphs get passes too
+        self.gathers = any(o.shard for o in ownership.inputs.values())
+        self.forward_ctx: PassContext | None = None
 
-    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
+    def _context(self, example_inputs: Sequence[Any]) -> PassContext:
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-        ctx = PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
-                          bucket_size=self.opts.bucket_size)
+        return PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
+                           bucket_size=self.opts.bucket_size)
+
+    def joint(self, gm: fx.GraphModule) -> None:
+        """Before the partitioner splits the joint graph (ZeRO-3: gathers are recomputed, not saved)."""
+        if not self.gathers:
+            return
+        vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        self.forward_ctx = self._context(vals)
+        run_pipeline(gm, self.forward_ctx, pipeline=JOINT_PIPELINE)
+
+    def forward(self, gm: fx.GraphModule) -> fx.GraphModule:
+        self.dump.forward(gm)
+        if self.forward_ctx is not None:
+            gm = run_pipeline(gm, self.forward_ctx, after_pass=self.dump.forward_stage, pipeline=FORWARD_PIPELINE)
+        return gm
+
+    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
+        ctx = self._context(example_inputs)
         self.dump.backward_stage("input", gm)
         if self.ownership.inputs:
-            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage)
+            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage, pipeline=backward_pipeline(self.gathers))
+        if self.forward_ctx is not None:
+            for ps, stats in self.forward_ctx.stats.items():
+                for key, value in stats.items():
+                    ctx.stats[ps].setdefault(key, value)
         self.dump.finish(ctx, self.ownership)
         return gm, ctx
 
@@ -161,7 +188,9 @@ class BackwardWithRuntimeInputs:
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
         self.device = self.param_sets[0].groups[0].params[0].device
         self._scale_tensors: dict[float, torch.Tensor] = {}
-        self.probe = AccumulationProbe(self.present)
+        self.probe = AccumulationProbe({ps: [(g.owned.leaf if g.owned.leaf is not None else g.owned.param,
+                                              g.owned.qualname) for g in ctx.grads if g.owned.param_set is ps]
+                                        for ps in self.param_sets})
         self.what = f"graph {graph_id} (engines {[ps.name for ps in self.param_sets]})"
         # One exchange per data-parallel group (usually all engines share one).
         self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
@@ -203,8 +232,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):
-            t.dump.forward(graph)
-            return compile_fx_inner(graph, inputs, **kwargs)
+            return compile_fx_inner(t.forward(graph), inputs, **kwargs)
         graph, ctx = t.transform(graph, inputs)
         inputs = list(inputs) + t.runtime_example_inputs(graph, ctx)
         patches = {}
@@ -216,7 +244,22 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
         with torch._inductor.config.patch(patches):
             return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    joint = {"joint_custom_pre_pass": _JointPass(t)} if t.gathers else {}
+    with torch._inductor.config.patch(joint):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+class _JointPass(CustomGraphPass):
+    """Inductor's hook on the joint graph, before its partitioner (``joint_custom_pre_pass``)."""
+
+    def __init__(self, t: BackwardTransform) -> None:
+        self.t = t
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.t.joint(graph.owning_module)
+
+    def uuid(self) -> None:
+        return None   # never cached: the pass depends on this graph's ownership
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):
@@ -224,14 +267,23 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
     from torch._dynamo.backends.common import aot_autograd
 
     def fw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
-        t.dump.forward(graph)
-        return make_boxed_func(graph.forward)
+        return make_boxed_func(t.forward(graph).forward)
 
     def bw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
         graph, ctx = t.transform(graph, inputs)
         return t.wrap(make_boxed_func(graph.forward), ctx)
 
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+    kwargs = {}
+    if t.gathers:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def partition_fn(joint: fx.GraphModule, joint_inputs, **kw: Any):
+            t.joint(joint)
+            # min-cut, not the default partitioner: it honours the release pass's recompute tags
+            return min_cut_rematerialization_partition(joint, joint_inputs, compiler="eager", **kw)
+
+        kwargs["partition_fn"] = partition_fn
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, **kwargs)(gm, example_inputs)
 
 
 # How early_attach recognises this backend without importing this module (no import circle).

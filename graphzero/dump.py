@@ -79,6 +79,9 @@ class GraphDump:
     def forward(self, gm: fx.GraphModule) -> None:
         self._write("forward/000_input.py", gm)
 
+    def forward_stage(self, name: str, gm: fx.GraphModule) -> None:
+        self._write(f"forward/001_{name}.py", gm)
+
     def backward_stage(self, name: str, gm: fx.GraphModule) -> None:
         rel = f"backward/{self._stage:03d}_{name}.py"
         self._write(rel, gm)
@@ -96,9 +99,17 @@ class GraphDump:
             stats = ctx.stats.get(ps, {})
             name = ps.name if ps.name not in engines else f"{ps.name}#{len(engines)}"
             engines[name] = {
-                "stage": ps.stage, "params": len(owned), "numel": sum(o.param.numel() for o in owned),
+                "stage": ps.stage, "params": len(owned), "numel": sum(_full_numel(o) for o in owned),
                 "buckets": stats.get("buckets", 0), "reduce_scatter": stats.get("reduce_scatter", 0),
-                "all_reduce": stats.get("all_reduce", 0), "all_gather": stats.get("all_gather", 0),
+                "all_reduce": stats.get("all_reduce", 0),
+                "all_gather": stats.get("all_gather_fwd", 0) + stats.get("all_gather_bwd", 0),
+                # ZeRO-3: parameter gathers per step in the forward and (recomputed) backward graph,
+                # their bytes, and the peak bytes of gathered parameters alive at once
+                "all_gather_fwd": stats.get("all_gather_fwd", 0), "all_gather_bwd": stats.get("all_gather_bwd", 0),
+                "all_gather_bytes_fwd": stats.get("all_gather_bytes_fwd", 0),
+                "all_gather_bytes_bwd": stats.get("all_gather_bytes_bwd", 0),
+                "gathered_peak_bytes_fwd": stats.get("gathered_peak_bytes_fwd", 0),
+                "gathered_peak_bytes_bwd": stats.get("gathered_peak_bytes_bwd", 0),
                 "fp32_accumulate": stats.get("fp32_accumulate", 0),
                 "comm_bytes_per_step": stats.get("comm_bytes_per_step", 0),
                 "comm_bytes_by_dtype": stats.get("comm_bytes_by_dtype", {}),
@@ -139,6 +150,14 @@ class GraphDump:
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, path)
         log.info("graphzero dump: %s", path)
+
+
+def _full_numel(owned) -> int:
+    """Elements of the owned parameter (ZeRO-3: its full size, not its empty placeholder)."""
+    group = owned.param_set.groups[owned.group]
+    if group.presharded and group.full_numels:
+        return group.full_numels[owned.position]
+    return owned.param.numel()
 
 
 def _version() -> str:

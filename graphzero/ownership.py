@@ -21,6 +21,10 @@ class FlatGroup:
     buffer of ``numel`` elements (gaps and the tail are zero padding). With ``sharded`` the buffer
     is split into ``world_size`` equal shards and rank r keeps shard r; otherwise every rank keeps
     the whole buffer.
+
+    ``presharded`` (ZeRO-3): the graph never sees these parameters whole; its inputs are their
+    shards, and each shard's gradient (already reduce-scattered by the gather's backward) lands at
+    ``offsets[k]`` of this rank's shard of the group: no further collective.
     """
 
     params: tuple[torch.nn.Parameter, ...]
@@ -28,12 +32,19 @@ class FlatGroup:
     offsets: tuple[int, ...]
     numel: int
     sharded: bool
+    presharded: bool = False
+    shard_sizes: tuple[int, ...] = ()   # presharded: elements of each parameter's shard
+    full_numels: tuple[int, ...] = ()   # presharded: elements of each parameter, whole
 
     def shard_numel(self, world_size: int) -> int:
         return self.numel // world_size if self.sharded else self.numel
 
     def num_shards(self, world_size: int) -> int:
         return world_size if self.sharded else 1
+
+    def shard_numel_of(self, k: int) -> int:
+        """Presharded groups: elements of parameter k's shard (a world-th of it, padded)."""
+        return self.shard_sizes[k]
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +77,9 @@ class ParamSet:
     retrace_pending: bool = False
     # set by detach: graphs compiled while attached must not run any more
     detached: bool = False
+    # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
+    # {id(shard): (group, position)}; read when a graph is compiled (shards may be re-created)
+    shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:
@@ -83,7 +97,8 @@ class ParamSet:
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for grp in self.groups for p in grp.params)
+        return sum(sum(grp.full_numels) if grp.presharded else sum(p.numel() for p in grp.params)
+                   for grp in self.groups)
 
     @property
     def num_params(self) -> int:
@@ -98,6 +113,10 @@ class OwnedInput:
     param_set: ParamSet
     group: int
     position: int
+    shard: bool = False   # the input is the parameter's ZeRO-3 shard, not the parameter
+    # The graph input itself: the leaf autograd accumulates this gradient into (the parameter, or
+    # its shard); compared by identity, never hashed.
+    leaf: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -118,13 +137,18 @@ class Ownership:
     @classmethod
     def build(cls, example_inputs: Sequence[object], param_sets: Sequence[ParamSet]) -> Ownership:
         owned: dict[int, OwnedInput] = {}
+        shards = {ps: ps.shard_inputs() for ps in param_sets if ps.shard_inputs is not None}
         for i, x in enumerate(example_inputs):
-            if not isinstance(x, torch.nn.Parameter):
+            if not isinstance(x, torch.Tensor):
                 continue
             for ps in param_sets:
-                where = ps.locate(x)
+                where = ps.locate(x) if isinstance(x, torch.nn.Parameter) else None
+                if where is not None and not ps.groups[where[0]].presharded:
+                    owned[i] = OwnedInput(i, ps, *where, leaf=x)
+                    break
+                where = shards.get(ps, {}).get(id(x))
                 if where is not None:
-                    owned[i] = OwnedInput(i, ps, *where)
+                    owned[i] = OwnedInput(i, ps, *where, shard=True, leaf=x)
                     break
         used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
         check_same_world(used)

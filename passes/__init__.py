@@ -1,4 +1,7 @@
-"""graphzero's FX passes on the AOT backward graph, and the one place their order lives.
+"""graphzero's FX passes on AOT autograd's graphs, and the one place their order lives.
+
+Three pipelines: on the joint graph before the partitioner (``JOINT_PIPELINE``), on the forward
+graph (``FORWARD_PIPELINE``), on the backward graph (``PIPELINE``).
 
 Each pass is ``(gm, ctx) -> gm``; its docstring says what it inserts. A pass reads and extends only
 its `PassContext`, so it can be run on a hand-built graph without DeepSpeed or a process group.
@@ -13,7 +16,9 @@ from ._graph import Bucket, GradOutput, PassContext
 from .annotate_owner import annotate_owner
 from .bucket import bucket
 from .fp32_accumulate import fp32_accumulate
+from .gather import schedule_gathers_backward, schedule_gathers_forward
 from .reduce_scatter import insert_reduce_scatter
+from .release import release
 from .schedule import schedule_overlap
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -22,12 +27,23 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   annotate_owner -> ctx.grads; bucket -> ctx.buckets; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
+# release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
+JOINT_PIPELINE: tuple[Pass, ...] = (release,)
+# schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph).
+FORWARD_PIPELINE: tuple[Pass, ...] = (schedule_gathers_forward,)
+
+
+def backward_pipeline(gathers: bool) -> tuple[Pass, ...]:
+    """The backward passes; with ZeRO-3 gathers, schedule_gathers_backward first (it moves the
+    gathers the partitioner recomputed before anything is inserted)."""
+    return ((schedule_gathers_backward,) if gathers else ()) + PIPELINE
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
-                 after_pass: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
+                 after_pass: Callable[[str, fx.GraphModule], None] | None = None,
+                 pipeline: tuple[Pass, ...] = PIPELINE) -> fx.GraphModule:
     """Run every pass in order; ``after_pass(name, gm)`` sees the graph after each one (for the dump)."""
-    for p in PIPELINE:
+    for p in pipeline:
         gm = p(gm, ctx)
         if after_pass is not None:
             after_pass(p.__name__, gm)
@@ -35,14 +51,20 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
 
 
 __all__ = [
+    "FORWARD_PIPELINE",
+    "JOINT_PIPELINE",
     "PIPELINE",
     "Bucket",
     "GradOutput",
     "PassContext",
     "annotate_owner",
+    "backward_pipeline",
     "bucket",
     "fp32_accumulate",
     "insert_reduce_scatter",
+    "release",
     "run_pipeline",
+    "schedule_gathers_backward",
+    "schedule_gathers_forward",
     "schedule_overlap",
 ]

@@ -2,7 +2,7 @@
 
 Inserts nothing. AOT autograd's backward returns one slot per flat forward input; the output
 node's ``meta["desc"][k]`` says which input slot k is the gradient of (``GradAOTOutput(grad_of=
-PlainAOTInput(idx=i))``). Slots whose input is a parameter some engine owns become
+PlainAOTInput(idx=i))``). Slots whose input is a parameter some engine owns (or, ZeRO-3, its shard) become
 ``ctx.grads``; the gradient node is tagged ``meta["graphzero_owner"]`` with the parameter's name.
 """
 from __future__ import annotations
@@ -30,9 +30,11 @@ def annotate_owner(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if owned is None or not isinstance(value, fx.Node):
             continue
         shape = tuple(value.meta["val"].shape)
-        if shape != tuple(owned.param.shape):
+        expected = (owned.param_set.groups[owned.group].shard_numel_of(owned.position),) if owned.shard \
+            else tuple(owned.param.shape)
+        if shape != expected:
             raise RuntimeError(f"graphzero: backward output {slot} should be the gradient of {owned.qualname} "
-                               f"{tuple(owned.param.shape)} but has shape {shape}")
+                               f"{expected} but has shape {shape}")
         value.meta["graphzero_owner"] = owned.qualname
         ctx.grads.append(GradOutput(slot, value, owned))
     return gm

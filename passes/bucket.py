@@ -11,6 +11,7 @@ land, not the whole group.
 Buckets are listed from the end of the shards to the start (parameters late in the flat order
 usually get their gradients first); each collective is then placed right after the last gradient
 it needs. The graph, hence the order of collectives, is the same on every rank.
+Presharded (ZeRO-3) groups get no bucket: their gradients arrive already reduce-scattered.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
         for g, group in enumerate(ps.groups):
+            if group.presharded:
+                continue   # ZeRO-3: the gather's backward already reduce-scattered each shard
             landing = _landing(ctx, ps, g)
             # Only where this graph's gradients land: after a graph break a graph that sees some of
             # a group's parameters does not send the whole group, nor padding no gradient spans.

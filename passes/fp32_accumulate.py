@@ -5,7 +5,8 @@ optimizer's fp32 gradient partition, or BF16_Optimizer's fp32 gradient buffer), 
 for the averaging factor (normally 1/(world*gas)); the runtime passes the real tensors on every
 call. Before the output it inserts:
 
-  cat(reduced chunks in shard order, zeros where no bucket landed) -> convert to the accumulation
+  cat(reduced chunks in shard order, zeros where no bucket landed; ZeRO-3: each parameter's
+  reduce-scattered shard gradient in group order) -> convert to the accumulation
   dtype -> multiply by the factor -> add to the sink -> ``aten.copy_`` into the sink.
 
 Inductor fuses the cast, scale and add into one pass over the shard. Finally the owned
@@ -23,6 +24,42 @@ PASS = "fp32_accumulate"
 aten = torch.ops.aten
 
 
+def _bucket_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, shard: int,
+                   device: torch.device) -> list[fx.Node]:
+    """This rank's reduced chunks of the group's buckets in shard order, zeros where none landed."""
+    chunks = sorted(((ctx.buckets[b].lo, ctx.buckets[b].hi, node) for b, node in ctx.reduced.items()
+                     if ctx.buckets[b].param_set is ps and ctx.buckets[b].group == g), key=lambda t: t[0])
+    pieces, cursor = [], 0
+    for lo, hi, node in chunks:
+        if lo > cursor:
+            pieces.append(ins.zeros(lo - cursor, ps.comm_dtype, device, engine=ps.name, why="no bucket here"))
+        pieces.append(node)
+        cursor = hi
+    if cursor < shard:
+        pieces.append(ins.zeros(shard - cursor, ps.comm_dtype, device, engine=ps.name, why="no bucket here"))
+    return pieces
+
+
+def _presharded_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, device: torch.device) -> list[fx.Node]:
+    """ZeRO-3: each parameter's reduce-scattered shard gradient in group order, zeros for parameters
+    without a gradient in this graph."""
+    group = ps.groups[g]
+    by_position = {grad.owned.position: grad for grad in ctx.grads_of(ps, g)}
+    pieces = []
+    for k in range(len(group.params)):
+        grad = by_position.get(k)
+        if grad is None:
+            pieces.append(ins.zeros(group.shard_numel_of(k), ps.comm_dtype, device, engine=ps.name,
+                                    why=f"no gradient of {group.names[k]} in this graph"))
+            continue
+        x = grad.node
+        if x.meta["val"].dtype != ps.comm_dtype:
+            x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.comm_dtype), engine=ps.name,
+                         why=f"cast shard grad of {grad.owned.qualname} to {ps.comm_dtype}")
+        pieces.append(x)
+    return pieces
+
+
 def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     out = output_node(gm)
@@ -32,6 +69,10 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for bucket in ctx.buckets:
         key = (bucket.param_set, bucket.group)
         if key not in targets:
+            targets.append(key)
+    for grad in ctx.grads:
+        key = (grad.owned.param_set, grad.owned.group)
+        if grad.owned.param_set.groups[grad.owned.group].presharded and key not in targets:
             targets.append(key)
     ins = Inserter(gm, ctx, PASS, after=out.prev)
     scales: dict[ParamSet, fx.Node] = {}
@@ -57,16 +98,10 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ps not in scales:
             scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
-        chunks = sorted(((ctx.buckets[b].lo, ctx.buckets[b].hi, node) for b, node in ctx.reduced.items()
-                         if ctx.buckets[b].param_set is ps and ctx.buckets[b].group == g), key=lambda t: t[0])
-        pieces, cursor = [], 0
-        for lo, hi, node in chunks:
-            if lo > cursor:
-                pieces.append(ins.zeros(lo - cursor, ps.comm_dtype, device, engine=ps.name, why="no bucket here"))
-            pieces.append(node)
-            cursor = hi
-        if cursor < shard:
-            pieces.append(ins.zeros(shard - cursor, ps.comm_dtype, device, engine=ps.name, why="no bucket here"))
+        if group.presharded:
+            pieces = _presharded_pieces(ins, ctx, ps, g, device)
+        else:
+            pieces = _bucket_pieces(ins, ctx, ps, g, shard, device)
         why = f"group {g}: shard of {len(ctx.grads_of(ps, g))} gradients"
         delta = pieces[0] if len(pieces) == 1 else ins.call(aten.cat.default, (pieces,), engine=ps.name, why=why)
         if ps.comm_dtype != ps.accum_dtype:

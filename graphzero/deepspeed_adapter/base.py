@@ -1,4 +1,6 @@
-"""The DeepSpeed adapter: the only module that touches DeepSpeed internals.
+"""The DeepSpeed adapter's shared base: config checks, attach/detach, hook install/uninstall, the
+eager safety net. The only package that touches DeepSpeed internals; one module per optimizer
+family (zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads.
 
 `attach(engine, name)` checks the engine's config, builds its `ParamSet` (the flat gradient layout
 its ZeRO optimizer reads in `step()`), binds that optimizer's partition buffers as the shard sinks,
@@ -17,15 +19,14 @@ from __future__ import annotations
 
 import logging
 import types
-import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import rank_agreement, retrace
-from .errors import NoGradientError, NotAnEngineError, OwnershipError, UnsupportedConfigError
-from .ownership import FlatGroup, ParamSet, check_same_world
+from .. import rank_agreement, retrace
+from ..errors import NoGradientError, NotAnEngineError, OwnershipError, UnsupportedConfigError
+from ..ownership import FlatGroup, ParamSet, check_same_world
 
 log = logging.getLogger("graphzero")
 
@@ -64,7 +65,7 @@ def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
                 "engine: pass the engine returned by deepspeed.initialize()")
         if binding_of(engine) is None:
             _check_config(name, engine)
-        bindings.append(binding_of(engine) or DeepSpeedBinding(engine, name))
+        bindings.append(binding_of(engine) or _binding_class(engine)(engine, name))
     # Ownership is what each engine's optimizer updates (a parameter that requires grad but is in
     # no param group of this engine is not its to reduce).
     claimed: dict[int, str] = {}
@@ -97,8 +98,6 @@ def _check_config(name: str, engine) -> None:
         return UnsupportedConfigError(f"engine {name!r}: DeepSpeed config {key} is not supported by graphzero yet ({why})")
 
     stage = engine.zero_optimization_stage()
-    if stage == 3:
-        raise unsupported("zero_optimization.stage=3", "ZeRO-3 parameter partitioning is a later milestone")
     if stage == 0:
         raise unsupported("zero_optimization.stage=0", "use ZeRO stage 1 or 2")
     if engine.fp16_enabled():
@@ -132,7 +131,10 @@ def _check_config(name: str, engine) -> None:
     kind = _optimizer_kind(engine)
     if kind is None:
         raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
-                          "graphzero binds DeepSpeedZeroOptimizer and BF16_Optimizer")
+                          "graphzero binds DeepSpeedZeroOptimizer, BF16_Optimizer and DeepSpeedZeroOptimizer_Stage3")
+    if stage == 3:
+        from .zero3 import check_zero3_config
+        check_zero3_config(engine, unsupported)
 
 
 def _offloads(offload_config) -> bool:
@@ -140,9 +142,19 @@ def _offloads(offload_config) -> bool:
     return device is not None and str(getattr(device, "value", device)) != "none"
 
 
+def _binding_class(engine) -> type:
+    from .bf16 import BF16Binding
+    from .zero3 import Zero3Binding
+    from .zero12 import ZeroBinding
+    return {"zero": ZeroBinding, "bf16": BF16Binding, "zero3": Zero3Binding}[_optimizer_kind(engine)]
+
+
 def _optimizer_kind(engine) -> str | None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return "zero3"
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         return "zero"
     if isinstance(engine.optimizer, BF16_Optimizer):
@@ -151,14 +163,12 @@ def _optimizer_kind(engine) -> str | None:
 
 
 class DeepSpeedBinding:
-    """graphzero's hold on one DeepSpeed engine (ZeRO-1/2, DeepSpeedZeroOptimizer or BF16_Optimizer)."""
+    """graphzero's hold on one DeepSpeed engine; subclasses bind one optimizer family."""
 
     def __init__(self, engine, name: str) -> None:
         self.engine = engine
         self.name = name
         self.kind = _optimizer_kind(engine)
-        # weak: a group step() consumed must not be kept alive until the next backward
-        self._installed_groups: dict[int, weakref.ref] = {}
         self._saved: dict[str, object] = {}
         self._eager_hooks: list = []
         self._warned_eager = False
@@ -166,28 +176,30 @@ class DeepSpeedBinding:
         self.received_gradient = False
         self.param_set = self._build_param_set()
 
-    # -- layout -------------------------------------------------------------------------------
+    # -- layout and buffers: one subclass per optimizer family ---------------------------------
+    def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
+        """The optimizer's flat gradient groups and its accumulation dtype."""
+        raise NotImplementedError
+
+    def sinks(self) -> list[torch.Tensor]:
+        """Per group, the buffer to accumulate this rank's reduced gradient into."""
+        raise NotImplementedError
+
+    def drop_sinks(self) -> None:
+        """Forget the accumulated shards (``zero_grad``): the next backward starts from zeros."""
+
+    def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Tell the optimizer these parameters received a gradient (only some optimizers need it)."""
+
+    def _restore_grad_hooks(self) -> None:
+        """Re-install the optimizer's own gradient hooks (detach)."""
+        raise NotImplementedError
+
     def _build_param_set(self) -> ParamSet:
-        engine, opt = self.engine, self.engine.optimizer
+        engine = self.engine
         names = {id(p): n for n, p in engine.module.named_parameters()}
-        groups = []
-        pgs = opt.real_dp_process_group
-        if self.kind == "zero":
-            for i, params in enumerate(opt.round_robin_bit16_groups):
-                groups.append(FlatGroup(
-                    params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
-                    offsets=tuple(int(o) for o in opt.round_robin_bit16_offsets[i]),
-                    numel=int(opt.bit16_groups_flat[i].numel()), sharded=True))
-            accum_dtype = opt.gradient_accumulation_dtype
-        else:
-            for i, params in enumerate(opt.bf16_groups):
-                # Offsets of DeepSpeed's own per-parameter views into its flat fp32 gradient buffer.
-                flat = opt.fp32_groups_gradients_flat[i]
-                offsets = [v.storage_offset() - flat.storage_offset() for v in opt.fp32_groups_gradients[i]]
-                groups.append(FlatGroup(
-                    params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
-                    offsets=tuple(offsets), numel=int(opt.bf16_groups_flat[i].numel()), sharded=False))
-            accum_dtype = opt.grad_acc_dtype
+        groups, accum_dtype = self._flat_groups(names)
+        pgs = self._process_groups()
         pg = pgs[0]
         if any(g is not pg for g in pgs):
             raise UnsupportedConfigError(f"engine {self.name!r}: param groups on different process groups")
@@ -201,45 +213,16 @@ class DeepSpeedBinding:
             world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
             bucket_numel=int(engine.zero_reduce_bucket_size()),
             grad_scale=1.0 / (world * engine.gradient_accumulation_steps()),
-            backend=str(dist.get_backend(pg)), sinks=self.sinks, mark_present=self.mark_present,
+            backend=str(dist.get_backend(pg)), sinks=self._backward_sinks, mark_present=self.mark_present,
             runtime_scale=self.runtime_scale)
 
-    # -- sinks --------------------------------------------------------------------------------
-    def sinks(self) -> list[torch.Tensor]:
-        """Per group, the buffer to accumulate this rank's reduced gradient into.
+    def _process_groups(self) -> list:
+        return list(self.engine.optimizer.real_dp_process_group)
 
-        DeepSpeedZeroOptimizer: the flat partition of a compact grad-partition buffer installed in
-        ``averaged_gradients[i]`` (the same dict object: params' ``_hp_mapping`` reference it).
-        ``step()`` clips it in place and then drops it (sets the entry to None), so a missing or
-        replaced entry means "a step consumed it": install a fresh zeroed one.
-        BF16_Optimizer: its full fp32 gradient buffer, which its own ``step()`` zeroes.
-        """
-        opt = self.engine.optimizer
+    def _backward_sinks(self) -> list[torch.Tensor]:
+        """sinks() for a backward that writes them: the engine now has a gradient to step on."""
         self.received_gradient = True
-        if self.kind == "bf16":
-            return list(opt.fp32_groups_gradients_flat)
-        out = []
-        for i in range(len(self.param_set.groups)):
-            group = opt.averaged_gradients.get(i)
-            if group is None or group is not self._installed(i):
-                group = opt._build_compact_grad_partition_buffer(i)
-                opt.averaged_gradients[i] = group
-                self._installed_groups[i] = weakref.ref(group)
-            out.append(group.flat_partition)
-        return out
-
-    def _installed(self, i: int):
-        ref = self._installed_groups.get(i)
-        return ref() if ref is not None else None
-
-    def drop_sinks(self) -> None:
-        """Forget the accumulated shards (``zero_grad``): the next backward starts from zeros."""
-        opt = self.engine.optimizer
-        self.received_gradient = False
-        for i in list(self._installed_groups):
-            if opt.averaged_gradients.get(i) is self._installed(i):
-                opt.averaged_gradients[i] = None
-        self._installed_groups.clear()
+        return self.sinks()
 
     def runtime_scale(self) -> float:
         """1/(world*gas), or 1/world when this backward was started by DeepSpeed's own
@@ -251,16 +234,6 @@ class DeepSpeedBinding:
             return 1.0 / world
         # Read per call: set_train_batch_size() may change gas between steps.
         return 1.0 / (world * self.engine.gradient_accumulation_steps())
-
-    def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Tell the optimizer these parameters received a gradient (BF16_Optimizer skips unflagged ones)."""
-        if self.kind != "bf16":
-            return
-        opt = self.engine.optimizer
-        for p in params:
-            g, k = self.param_set.locate(p)
-            opt.fp32_groups_has_gradients[g][k] = True
-            p._hp_grad = opt.fp32_groups_gradients[g][k]
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
@@ -299,10 +272,12 @@ class DeepSpeedBinding:
         def zero_engine(*args, **kwargs):
             engine_zero_grad(*args, **kwargs)
             self.drop_sinks()
+            self.received_gradient = False
 
         def zero_optimizer(*args, **kwargs):
             optimizer_zero_grad(*args, **kwargs)
             self.drop_sinks()
+            self.received_gradient = False
 
         engine_step = engine.step
 
@@ -352,10 +327,7 @@ class DeepSpeedBinding:
             engine.module_forward_post_hook = engine._create_module_forward_post_hook()
         opt.__dict__.pop("zero_grad", None)
         if self._had_grad_acc_hooks:
-            if self.kind == "bf16":
-                opt.create_grad_acc_hooks()
-            else:
-                opt.create_gradient_handling_hooks()
+            self._restore_grad_hooks()
         self.drop_sinks()
         if getattr(engine, _BINDING_ATTR, None) is self:
             delattr(engine, _BINDING_ATTR)
@@ -388,7 +360,7 @@ class DeepSpeedBinding:
         rank_agreement.agree(rank_agreement.fingerprint(("eager", self.name, g, k)), ps.process_group, what)
         with rank_agreement.collective_failures(what):
             dist.all_reduce(grad, group=ps.process_group)
-        sink = self.sinks()[g]
+        sink = self._backward_sinks()[g]
         start, n = group.offsets[k], param.numel()
         lo = ps.rank * group.shard_numel(ps.world_size) if group.sharded else 0
         hi = lo + group.shard_numel(ps.world_size)

@@ -1,0 +1,63 @@
+"""ZeRO-1/2 with ``DeepSpeedZeroOptimizer`` (fp32, and bf16 ZeRO-2 with fp32 accumulation).
+
+Layout: per param group, the flat order ``round_robin_bit16_groups[i]`` at
+``round_robin_bit16_offsets[i]`` of a padded buffer of ``bit16_groups_flat[i].numel()`` elements,
+split into one contiguous partition per data-parallel rank. ``step()`` reads this rank's
+partition from ``averaged_gradients[i]``.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..ownership import FlatGroup
+from .base import DeepSpeedBinding
+
+
+class ZeroBinding(DeepSpeedBinding):
+    def __init__(self, engine, name: str) -> None:
+        # weak: a group step() consumed must not be kept alive until the next backward
+        self._installed_groups: dict[int, weakref.ref] = {}
+        super().__init__(engine, name)
+
+    def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
+        opt = self.engine.optimizer
+        groups = []
+        for i, params in enumerate(opt.round_robin_bit16_groups):
+            groups.append(FlatGroup(
+                params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
+                offsets=tuple(int(o) for o in opt.round_robin_bit16_offsets[i]),
+                numel=int(opt.bit16_groups_flat[i].numel()), sharded=True))
+        return groups, opt.gradient_accumulation_dtype
+
+    def sinks(self) -> list[torch.Tensor]:
+        """Per group, the flat partition of a compact grad-partition buffer installed in
+        ``averaged_gradients[i]`` (the same dict object: params' ``_hp_mapping`` reference it).
+        ``step()`` clips it in place and then drops it (sets the entry to None), so a missing or
+        replaced entry means "a step consumed it": install a fresh zeroed one.
+        """
+        opt = self.engine.optimizer
+        out = []
+        for i in range(len(self.param_set.groups)):
+            group = opt.averaged_gradients.get(i)
+            if group is None or group is not self._installed(i):
+                group = opt._build_compact_grad_partition_buffer(i)
+                opt.averaged_gradients[i] = group
+                self._installed_groups[i] = weakref.ref(group)
+            out.append(group.flat_partition)
+        return out
+
+    def _installed(self, i: int):
+        ref = self._installed_groups.get(i)
+        return ref() if ref is not None else None
+
+    def drop_sinks(self) -> None:
+        opt = self.engine.optimizer
+        for i in list(self._installed_groups):
+            if opt.averaged_gradients.get(i) is self._installed(i):
+                opt.averaged_gradients[i] = None
+        self._installed_groups.clear()
+
+    def _restore_grad_hooks(self) -> None:
+        self.engine.optimizer.create_gradient_handling_hooks()

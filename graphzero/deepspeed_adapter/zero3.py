@@ -1,0 +1,205 @@
+"""ZeRO-3 with ``DeepSpeedZeroOptimizer_Stage3`` (fp32, and bf16 with fp32 gradient accumulation).
+
+DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard in
+``p.ds_tensor`` (``p.partition_numel()`` elements, the last rank's tail is padding). While attached:
+
+- DeepSpeed's ZeRO-3 module hooks (fetch/release before and after each submodule, pre/post
+  backward) and its gradient hooks are removed; ``detach`` re-installs them;
+- the module's ``forward`` runs the original one on full parameters gathered from the shards by
+  ``shard_gather.gather_shard`` (``torch.func.functional_call``), so Dynamo traces the gathers into
+  the forward graph and their reduce-scatter backward into the backward graph, and an eager call
+  (evaluation, generation) sees the current parameters too;
+- each shard requires grad, so the compiled backward returns its reduced shard gradient, which the
+  fp32_accumulate pass adds (x 1/(world x gas)) into the optimizer's ``grad_partitions_flat_buffer``
+  region of that param group; ``averaged_gradients[i]`` lists DeepSpeed's own per-parameter views
+  of it (``__param_id_to_grad_partition``), which ``step()``, ``safe_get_full_grad`` and the
+  checkpoint code read.
+
+Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
+in the graph like the others; DeepSpeed's own copy stays as it manages it.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UnsupportedConfigError
+from ..ownership import FlatGroup
+from ..shard_gather import gather_shard
+from .base import _BINDING_ATTR, DeepSpeedBinding
+
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
+
+
+def _no_grad(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def check_zero3_config(engine, unsupported) -> None:
+    """Stage 3 is supported in fp32, and in bf16 with fp32 gradient accumulation, without offload
+    (checked by the caller), quantized weights or hierarchical partitioning."""
+    if engine.bfloat16_enabled() and engine.get_data_types()[1] != torch.float32:
+        raise unsupported("zero_optimization.stage=3 with bf16 and grad_accum_dtype!=fp32",
+                          'set data_types.grad_accum_dtype="fp32"')
+    if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
+        raise unsupported("zero_optimization.zero_quantized_weights", "quantized ZeRO-3 weights")
+    if engine.zero_hpz_partition_size() > 1:
+        raise unsupported("zero_optimization.zero_hpz_partition_size>1", "hierarchical partitioning")
+    if getattr(engine, "autotp_size", lambda: 1)() > 1:
+        raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
+
+
+class _Unhooked(torch.nn.Module):
+    """Calls the module's class forward (not the instance override graphzero installs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args, **kwargs):
+        return type(self.inner).forward(self.inner, *args, **kwargs)
+
+
+class Zero3Binding(DeepSpeedBinding):
+    def __init__(self, engine, name: str) -> None:
+        self._installed_lists: dict[int, list] = {}
+        self._stale = False
+        self._shard_hooks: list = []
+        super().__init__(engine, name)
+
+    # -- layout and buffers -------------------------------------------------------------------
+    def _process_groups(self) -> list:
+        # Parameters are partitioned over their ds_process_group (a different object for the same
+        # ranks, usually): the gather must use the same ranks as the optimizer's partitions.
+        opt = self.engine.optimizer
+        ranks = dist.get_process_group_ranks(opt.dp_process_group)
+        for p in itertools.chain.from_iterable(opt.fp16_groups):
+            if dist.get_process_group_ranks(p.ds_process_group) != ranks:
+                raise UnsupportedConfigError(f"engine {self.name!r}: a parameter is partitioned over other ranks "
+                                             "than the optimizer's data-parallel group")
+        return [opt.dp_process_group]
+
+    def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
+        opt = self.engine.optimizer
+        world = dist.get_world_size(group=opt.dp_process_group)
+        groups = []
+        for i, params in enumerate(opt.fp16_groups):
+            sizes = tuple(int(p.partition_numel()) for p in params)
+            offsets = tuple(itertools.accumulate((0,) + sizes[:-1]))
+            groups.append(FlatGroup(
+                params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
+                offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes,
+                full_numels=tuple(int(p.ds_numel) for p in params)))
+        return groups, opt.gradient_accumulation_dtype
+
+    def _build_param_set(self):
+        ps = super()._build_param_set()
+        ps.shard_inputs = self.shard_inputs
+        return ps
+
+    def shard_inputs(self) -> dict[int, tuple[int, int]]:
+        return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
+                for k, p in enumerate(group.params)}
+
+    def _region(self, i: int) -> torch.Tensor:
+        """Group i's contiguous part of the optimizer's flat fp32 gradient-partition buffer."""
+        opt = self.engine.optimizer
+        views = getattr(opt, _GRAD_PARTITIONS)
+        first = views[self.param_set.groups[i].params[0].ds_id]
+        flat = opt.grad_partitions_flat_buffer
+        start = first.storage_offset() - flat.storage_offset()
+        return flat.narrow(0, start, self.param_set.groups[i].numel // self.param_set.world_size)
+
+    def sinks(self) -> list[torch.Tensor]:
+        """Per group, its region of ``grad_partitions_flat_buffer``. ``step()`` consumes
+        ``averaged_gradients[i]`` (sets it to None) but never zeroes the buffer: a missing or
+        replaced list (or a zero_grad since) means "start again from zeros"."""
+        opt = self.engine.optimizer
+        views = getattr(opt, _GRAD_PARTITIONS)
+        out = []
+        for i, group in enumerate(self.param_set.groups):
+            region = self._region(i)
+            installed = self._installed_lists.get(i)
+            if self._stale or installed is None or opt.averaged_gradients.get(i) is not installed:
+                region.zero_()
+                installed = [views[p.ds_id] for p in group.params]
+                opt.averaged_gradients[i] = installed
+                self._installed_lists[i] = installed
+            out.append(region)
+        self._stale = False
+        return out
+
+    def drop_sinks(self) -> None:
+        # Not cleared here: stage-3 step() calls its own zero_grad() between computing the norm and
+        # reading averaged_gradients. The next backward starts from zeros instead.
+        self._stale = True
+
+    def _restore_grad_hooks(self) -> None:
+        self.engine.optimizer.create_reduce_and_remove_grad_hooks()
+
+    # -- install / uninstall ------------------------------------------------------------------
+    def install(self) -> None:
+        super().install()
+        opt, module = self.engine.optimizer, self.engine.module
+        opt.parameter_offload._remove_module_hooks()
+        ps = self.param_set
+        owned = [(n, p) for g in ps.groups for n, p in zip(g.names, g.params)]
+        for _, p in owned:
+            p.ds_tensor.requires_grad_(True)
+            setattr(p.ds_tensor, _BINDING_ATTR, self)   # graphs compiled without options find the engine
+            # DeepSpeed's own gathers (GatheredParameters, persistent parameters after step(),
+            # checkpoints) write into views made under no_grad: with a shard that requires grad they
+            # must run under no_grad too.
+            for attr in _PARAM_COLLECTIVES:
+                setattr(p, attr, _no_grad(getattr(p, attr)))
+            self._shard_hooks.append(p.ds_tensor.register_post_accumulate_grad_hook(self._accumulate_eager_shard))
+        unhooked = _Unhooked(module)
+        world, group_name = ps.world_size, ps.group_name
+
+        def forward(*args, **kwargs):
+            full = {f"inner.{n}": gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
+                    for n, p in owned}
+            return torch.func.functional_call(unhooked, full, args, kwargs, strict=False)
+
+        module.forward = forward
+
+    def uninstall(self) -> None:
+        opt, module = self.engine.optimizer, self.engine.module
+        module.__dict__.pop("forward", None)
+        for h in self._shard_hooks:
+            h.remove()
+        self._shard_hooks.clear()
+        for g in self.param_set.groups:
+            for p in g.params:
+                p.ds_tensor.requires_grad_(False)
+                p.ds_tensor.grad = None
+                p.ds_tensor.__dict__.pop(_BINDING_ATTR, None)
+                for attr in _PARAM_COLLECTIVES:
+                    setattr(p, attr, getattr(p, attr).__wrapped__)
+        offload = opt.parameter_offload
+        offload.forward_hooks.clear()
+        offload.backward_hooks.clear()
+        offload.setup_zero_stage3_hooks()
+        super().uninstall()
+
+    # -- safety net -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _accumulate_eager_shard(self, shard: torch.Tensor) -> None:
+        """A shard gradient from eager autograd (the module run outside a graphzero graph): the
+        gather's backward already summed it over ranks; scale it into the sink."""
+        if shard.grad is None:
+            return
+        g, k = self.shard_inputs()[id(shard)]
+        group = self.param_set.groups[g]
+        sink = self._backward_sinks()[g]
+        sink[group.offsets[k]:group.offsets[k] + group.shard_numel_of(k)].add_(
+            shard.grad.to(sink.dtype), alpha=self.runtime_scale())
+        shard.grad = None

@@ -1,0 +1,41 @@
+"""The ZeRO-3 parameter gather, as an autograd function of the shard.
+
+Forward: ``_c10d_functional.all_gather_into_tensor`` of this rank's shard (``world x shard``
+elements, the last shard's tail is padding), ``wait_tensor``, the first ``numel`` elements viewed
+to the parameter's shape. Backward: the full-size gradient, padded to ``world x shard``, is
+``reduce_scatter_tensor``-summed: each rank receives the SUM over ranks of its shard's gradient
+(averaging by 1/(world x gas) happens later, in fp32, by the fp32_accumulate pass).
+
+Functional collectives, not custom ops: Dynamo traces both directions into the graphs, and
+inductor's comm passes and AOT's partitioner recognise them (the release pass tags the gather for
+recomputation in backward instead of saving the full parameter). Eager calls (evaluation outside
+the compiled step) run the same collectives.
+"""
+from __future__ import annotations
+
+import torch
+
+c10d = torch.ops._c10d_functional
+
+
+class _GatherShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, numel: int, shape: tuple[int, ...], world: int, group_name: str):
+        ctx.world, ctx.group_name, ctx.padded = world, group_name, shard.numel() * world
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard.contiguous(), world, group_name))
+        return full[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat = grad.contiguous().view(-1)
+        if flat.numel() < ctx.padded:
+            flat = torch.nn.functional.pad(flat, (0, ctx.padded - flat.numel()))
+        shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", ctx.world, ctx.group_name))
+        return shard, None, None, None, None
+
+
+def gather_shard(shard: torch.Tensor, numel: int, shape: tuple[int, ...], world: int,
+                 group_name: str) -> torch.Tensor:
+    """The full parameter (``shape``) from every rank's ``shard``; its gradient flows back to the
+    shard as the rank-summed reduce-scatter."""
+    return _GatherShard.apply(shard, numel, tuple(shape), world, group_name)
