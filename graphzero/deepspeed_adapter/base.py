@@ -1,10 +1,11 @@
-"""The DeepSpeed adapter's shared base: config checks, attach/detach, hook install/uninstall, the
-eager safety net. The only package that touches DeepSpeed internals; one module per optimizer
-family (zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads.
+"""The DeepSpeed adapter's shared base: `DeepSpeedBinding` (hook install/uninstall, the eager
+safety net). The only package that touches DeepSpeed internals; one module per optimizer family
+(zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads, and attach.py checks
+configs and attaches engines.
 
-`attach(engine, name)` checks the engine's config, builds its `ParamSet` (the flat gradient layout
-its ZeRO optimizer reads in `step()`), binds that optimizer's partition buffers as the shard sinks,
-and switches off DeepSpeed's own gradient handling for the parameters graphzero now owns:
+A binding builds its engine's `ParamSet` (the flat gradient layout its ZeRO optimizer reads in
+`step()`), binds that optimizer's partition buffers as the shard sinks, and switches off
+DeepSpeed's own gradient handling for the parameters graphzero now owns:
 
 - the optimizer's post-accumulate-grad hooks (``optimizer._grad_acc_hooks``), which would run
   DeepSpeed's bucketed reduction (``reduce_independent_p_g_buckets_and_remove_grads``...);
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import rank_agreement, retrace
-from ..errors import NoGradientError, NotAnEngineError, OwnershipError, UnsupportedConfigError
-from ..ownership import FlatGroup, ParamSet, check_same_world
+from ..errors import NoGradientError, UnsupportedConfigError
+from ..ownership import FlatGroup, ParamSet
 
 log = logging.getLogger("graphzero")
 
@@ -44,109 +45,9 @@ def _identity(grad):
     return grad
 
 
-def _deepspeed_engine_class() -> type:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    return DeepSpeedEngine
-
-
 def binding_of(obj: object) -> DeepSpeedBinding | None:
     """The binding attached to an engine or an owned parameter, if any."""
     return getattr(obj, _BINDING_ATTR, None)
-
-
-def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
-    """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any."""
-    engine_cls = _deepspeed_engine_class()
-    bindings = []
-    for name, engine in engines:
-        if not isinstance(engine, engine_cls):
-            raise NotAnEngineError(
-                f"engine {name!r} is a {type(engine).__module__}.{type(engine).__qualname__}, not a DeepSpeed "
-                "engine: pass the engine returned by deepspeed.initialize()")
-        if binding_of(engine) is None:
-            _check_config(name, engine)
-        bindings.append(binding_of(engine) or _binding_class(engine)(engine, name))
-    # Ownership is what each engine's optimizer updates (a parameter that requires grad but is in
-    # no param group of this engine is not its to reduce).
-    claimed: dict[int, str] = {}
-    for (name, engine), binding in zip(engines, bindings):
-        for group in binding.param_set.groups:
-            for pname, p in zip(group.names, group.params):
-                owner = binding_of(p)
-                other = owner.name if owner is not None and owner.engine is not engine else claimed.get(id(p))
-                if other is not None and other != name:
-                    raise OwnershipError(f"parameter {pname!r} is owned by two engines: {other!r} and {name!r}")
-                claimed[id(p)] = name
-    # Engines attached together share one loss, even when a graph break puts them in different
-    # graphs: refuse before changing any of them.
-    check_same_world([b.param_set for b in bindings])
-    for (name, _), binding in zip(engines, bindings):
-        if binding_of(binding.engine) is None:
-            binding.install()
-        binding.name = binding.param_set.name = name
-    return bindings
-
-
-def detach(engine: object) -> None:
-    binding = binding_of(engine)
-    if binding is not None:
-        binding.uninstall()
-
-
-def _check_config(name: str, engine) -> None:
-    def unsupported(key: str, why: str) -> UnsupportedConfigError:
-        return UnsupportedConfigError(f"engine {name!r}: DeepSpeed config {key} is not supported by graphzero yet ({why})")
-
-    stage = engine.zero_optimization_stage()
-    if stage == 0:
-        raise unsupported("zero_optimization.stage=0", "use ZeRO stage 1 or 2")
-    if engine.fp16_enabled():
-        raise unsupported("fp16.enabled", "fp16 needs dynamic loss scaling; use bf16")
-    if _offloads(engine.zero_offload_optimizer()):
-        raise unsupported("zero_optimization.offload_optimizer", "optimizer offload")
-    if _offloads(engine.zero_offload_param()):
-        raise unsupported("zero_optimization.offload_param", "parameter offload")
-    if engine.zero_quantized_gradients():
-        raise unsupported("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradient reduction")
-    if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
-        raise unsupported("zero_optimization.zero_quantized_weights", "ZeRO++ quantized weights")
-    if engine.zero_hpz_partition_size() > 1:
-        raise unsupported("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning")
-    if engine.torch_autocast_enabled():
-        raise unsupported("torch_autocast.enabled", "autocast inside the engine")
-    if not engine.managed_gradient_accumulation():
-        raise unsupported("managed_gradient_accumulation=false", "step() would rebuild gradients from .grad")
-    if getattr(engine, "zenflow", False):
-        raise unsupported("zenflow", "ZenFlow selective updates")
-    if getattr(engine, "has_moe_layers", False):
-        raise unsupported("MoE layers", "expert-parallel gradient groups")
-    if getattr(engine, "pipeline_parallelism", False):
-        raise unsupported("PipelineModule", "pipeline parallelism")
-    if not getattr(engine, "gradient_average", True):
-        raise unsupported("gradient_allreduce_op=sum", "graphzero averages over the data-parallel group")
-    if getattr(engine, "sequence_parallel_size", 1) > 1:
-        raise unsupported("sequence_parallel_size>1", "sequence-parallel gradient averaging")
-    if getattr(engine, "is_deepcompile_enabled", lambda: False)():
-        raise unsupported("compile.deepcompile", "DeepCompile owns the same gradients")
-    kind = _optimizer_kind(engine)
-    if kind is None:
-        raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
-                          "graphzero binds DeepSpeedZeroOptimizer, BF16_Optimizer and DeepSpeedZeroOptimizer_Stage3")
-    if stage == 3:
-        from .zero3 import check_zero3_config
-        check_zero3_config(engine, unsupported)
-
-
-def _offloads(offload_config) -> bool:
-    device = getattr(offload_config, "device", None)
-    return device is not None and str(getattr(device, "value", device)) != "none"
-
-
-def _binding_class(engine) -> type:
-    from .bf16 import BF16Binding
-    from .zero3 import Zero3Binding
-    from .zero12 import ZeroBinding
-    return {"zero": ZeroBinding, "bf16": BF16Binding, "zero3": Zero3Binding}[_optimizer_kind(engine)]
 
 
 def _optimizer_kind(engine) -> str | None:
