@@ -19,7 +19,9 @@ and replayed first on the next run.
 
 Tolerances as in the other tests: fp32 gradients rtol 1e-4 / atol 1e-6, norms rtol 1e-4 /
 atol 1e-6, parameters rtol 1e-4 / atol 1e-5; bf16 (compared with an fp32 reference from the same
-bf16-rounded weights): 3% relative L2 per gradient tensor, norms 5%, parameters 2e-2.
+bf16-rounded weights): 3% relative L2 per gradient tensor, norms 5%, parameters 2e-2; after each bf16
+optimizer step the reference restarts from the engine's weights (its Adam state continues), so
+that the per-step bf16 error does not compound over an engine's up to 12 steps.
 """
 from __future__ import annotations
 
@@ -326,6 +328,13 @@ def _run_case(case: Case) -> dict:
                      msg=lambda m, what=what: f"{what}: grad norm: {m}")
             _checked("param", assert_params_close, eng, ref_models[k], **(BF16_PARAM if bf16 else FP32_PARAM),
                      what=what)
+            if bf16:
+                # bf16 drifts from the fp32 reference a little more with every step (an engine with
+                # gas 1 may take 12 steps here): restart the reference from the engine's weights so
+                # that each step's gradients are compared from the same point, at the per-step 3%.
+                with torch.no_grad():
+                    for p, q in zip(eng.module.parameters(), ref_models[k].parameters()):
+                        q.copy_(p.float())
         i += 1
     return {"micro_steps": i, "optimizer_steps": opt_steps, "skipped": skipped,
             "init_s": round(t_init, 1), "total_s": round(time.perf_counter() - t0, 1)}
