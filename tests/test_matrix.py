@@ -382,7 +382,7 @@ def pools(ranks):
 
 
 _DB = DirectoryBasedExampleDatabase(str(pathlib.Path(__file__).parent / ".hypothesis" / "examples"))
-_KINDS = ("grad", "norm", "param", "unowned", "nograd", "error")
+_KINDS = ("grad", "norm", "param", "unowned", "nograd", "error", "hang")
 
 
 # One exception type per kind of mismatch, so that hypothesis reports (and shrinks) each separately.
@@ -417,7 +417,9 @@ def test_matrix(pools, case: Case) -> None:
     except ScenarioFailed as err:
         text = str(err)
         m = re.search(r"MATRIX-FAIL .*?: \[(\w+)\]", text)
-        kind = m.group(1) if m else "error"
+        # No answer or a dead rank: a hang (e.g. ranks running different collectives) or the
+        # machine (a rank pool that could not start in time); read the message before blaming graphzero.
+        kind = m.group(1) if m else "hang" if re.search(r"no answer within|worker died", text) else "error"
         _log(f"FAIL [{kind}] {case.short()}")
         raise _MISMATCH.get(kind, _MISMATCH["error"])(f"{case.short()}\n{text}") from None
     _log(f"ok {case.short()} {results[0]}")
