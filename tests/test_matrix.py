@@ -39,7 +39,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import HealthCheck, example, given, note, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from torch import nn
@@ -421,6 +421,15 @@ def _log(line: str) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
 @seed(20261203)
 @given(case=cases())
+# Cases the matrix found, shrunk (both were the reference's mistakes, fixed there; see the docstring):
+# an engine with gas 1 takes 12 bf16 steps in a 3-engine chain (drift, 3.05%) ...
+@example(case=Case(world=2, dtype="bf16", inner="eager", pattern="chain", frozen=False, unowned=False, engines=(
+    EngineCase(2, 1, 0.0, 200, "ckpt", 8, True), EngineCase(1, 3, 0.0, 200, "ckpt", 5, False),
+    EngineCase(2, 4, 0.5, 5, "ckpt", 13, False))))
+# ... and a first-layer gradient nearly cancelled within the batch (3.35% against an fp32 backward).
+@example(case=Case(world=2, dtype="bf16", inner="eager", pattern="twice", frozen=False, unowned=False, engines=(
+    EngineCase(1, 1, 1.0, None, "ckpt", 8, False), EngineCase(1, 4, 1.0, None, "ckpt", 8, False),
+    EngineCase(1, 2, 1.0, None, "plain", 8, False), EngineCase(1, 3, 1.0, None, "ckpt", 13, False))))
 def test_matrix(pools, case: Case) -> None:
     note(case.short())
     print(f"matrix case: {case.short()}", flush=True)
