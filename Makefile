@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo lint test bench clean
+.PHONY: install demo lint test test-matrix bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q tests
+
+# The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed 20-case sample).
+test-matrix: install
+	GRAPHZERO_MATRIX=full $(PY) -m pytest -q tests/test_matrix.py
 
 bench: install
 	$(VENV)/bin/graphzero-compare --model mlp --stage 2 --json bench-mlp-z2.json
