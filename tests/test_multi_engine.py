@@ -6,6 +6,8 @@ order differs from the reference; Adam amplifies near-zero gradients a little).
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -94,16 +96,27 @@ def ref_chain_loss(models, x):
 def chain_scenario(stage: int, gas: int, inner: str, steps: int = 2, bucket: int | None = None) -> dict:
     """Three engines in a chain with gradient accumulation, a frozen plain module between them,
     and a trainable module no engine owns (it must get its ordinary, un-reduced .grad)."""
-    rank, world = rank_world()
     torch.manual_seed(1)
-    S, P, H = mlp(8, 16, 8), mlp(8, 16, 8), mlp(8, 8, 2)
+    models = {"student": mlp(8, 16, 8), "proj": mlp(8, 16, 8), "head": mlp(8, 8, 2)}
     frozen, side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
-    frozen.requires_grad_(False)
-    ref = Reference({"student": S, "proj": P, "head": H})
-    ref_side = __import__("copy").deepcopy(side)
+    ref = Reference(models)
     cfg = ds_config(stage, gas=gas, bucket=bucket)
-    engines = {"student": engine(S, cfg), "proj": engine(P, cfg), "head": engine(H, cfg)}
+    engines = {name: engine(m, cfg) for name, m in models.items()}
     counter = ReductionCounter(*engines.values())
+    train_chain(engines, ref, frozen, side, gas=gas, steps=steps, inner=inner,
+                after_backward=assert_no_full_grads, params_close=assert_params_close)
+    assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
+    return {}
+
+
+def train_chain(engines: dict, ref: Reference, frozen: torch.nn.Module, side: torch.nn.Module, *, gas: int,
+                steps: int, inner: str, after_backward, params_close) -> None:
+    """The chain's training loop and checks (shared with the ZeRO-3 chain in test_zero3.py):
+    gradients at each boundary, parameters and norms after each step, the frozen module untouched,
+    the unowned module's local .grad."""
+    rank, world = rank_world()
+    frozen.requires_grad_(False)
+    ref_side = copy.deepcopy(side)
     step = torch.compile(chain_loss, backend="graphzero", options={"engines": engines, "inner": inner})
     models = {**engines, "frozen": frozen, "side": side}
     for t in range(steps):
@@ -112,7 +125,7 @@ def chain_scenario(stage: int, gas: int, inner: str, steps: int = 2, bucket: int
             (x,) = data(i, rank, (4, 8))
             side.zero_grad(set_to_none=True)
             step(models, x).backward()
-            assert_no_full_grads(*engines.values())
+            after_backward(*engines.values())
             assert frozen.weight.grad is None, "frozen parameter got a gradient"
             # The unowned module keeps plain autograd semantics: its local (per-rank) gradient.
             (side_ref_grad,) = torch.autograd.grad(ref_side(x).square().mean(), [ref_side.weight])
@@ -126,10 +139,8 @@ def chain_scenario(stage: int, gas: int, inner: str, steps: int = 2, bucket: int
                 eng.step()
         ref.step()
         for name, eng in engines.items():
-            assert_params_close(eng, ref.models[name], **PARAM_TOL, what=f"step {t} {name}")
+            params_close(eng, ref.models[name], **PARAM_TOL, what=f"step {t} {name}")
             torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
-    assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
-    return {}
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -7,8 +7,6 @@ norms rtol 1e-4; bf16 as in test_bf16.py (3% relative L2 on gradients, 2e-2 on p
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -202,39 +200,16 @@ def test_two_param_groups_zero3(ranks):
 def chain_scenario(stages: dict[str, int], gas: int = 2, steps: int = 2, inner: str = "inductor") -> dict:
     """test_multi_engine's chain (student -> frozen -> proj -> head, plus an unowned side module)
     with per-engine ZeRO stages; the middle engine is called through ``engine.module``."""
-    from test_multi_engine import chain_loss, ref_chain_loss
-    rank, world = rank_world()
+    from test_multi_engine import train_chain
     torch.manual_seed(1)
     models = {"student": mlp(8, 16, 8), "proj": mlp(8, 16, 8), "head": mlp(8, 8, 2)}
     frozen, side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
-    frozen.requires_grad_(False)
-    ref, ref_side = Reference(models), copy.deepcopy(side)
+    ref = Reference(models)
     engines = {name: engine(m, z3_config(stages[name], gas=gas)) for name, m in models.items()}
     counter, z3counter = ReductionCounter(*engines.values()), Zero3Counter(*engines.values())
     graphzero.attach(**engines)
-    step = torch.compile(chain_loss, backend="graphzero", options={"engines": engines, "inner": inner})
-    inputs = {**engines, "frozen": frozen, "side": side}
-    for t in range(steps):
-        for micro in range(gas):
-            i = t * gas + micro
-            (x,) = data(i, rank, (4, 8))
-            side.zero_grad(set_to_none=True)
-            step(inputs, x).backward()
-            assert_released(*engines.values())
-            assert frozen.weight.grad is None, "frozen parameter got a gradient"
-            (side_ref_grad,) = torch.autograd.grad(ref_side(x).square().mean(), [ref_side.weight])
-            torch.testing.assert_close(side.weight.grad, side_ref_grad, rtol=1e-5, atol=1e-7)
-            ref.accumulate(lambda m, x: ref_chain_loss({**m, "frozen": frozen, "side": ref_side}, x),
-                           [data(i, r, (4, 8)) for r in range(world)], gas=gas)
-            if micro == gas - 1:
-                for name, eng in engines.items():
-                    assert_grads_close(full_grads(eng), ref.grads(name), **GRAD_TOL, what=f"step {t} {name}")
-            for eng in engines.values():
-                eng.step()
-        ref.step()
-        for name, eng in engines.items():
-            assert_params_match(eng, ref.models[name], what=f"step {t} {name}")
-            torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
+    train_chain(engines, ref, frozen, side, gas=gas, steps=steps, inner=inner,
+                after_backward=assert_released, params_close=assert_params_match)
     assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
     assert z3counter.total == 0, f"DeepSpeed's own ZeRO-3 fetch/release/reduction ran: {z3counter.calls}"
     return {}
