@@ -10,18 +10,15 @@ is graphzero with ``options["engines"]``, attaches them. The step is then traced
 DeepSpeed's hooks, exactly as with ``graphzero.attach()`` before the first call.
 
 ``torch._dynamo.reset()`` clears Dynamo's callbacks; graphzero installs this one again whenever
-it runs (import, backend, attach, backward). The backend keeps a fallback for a compile that
+it runs (import, each backend call, graphzero.attach). The backend keeps a fallback for a compile that
 starts with the callback missing (see backend.RetraceAfterAttach).
 """
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
 import torch
-
-log = logging.getLogger("graphzero")
 
 _CONVERT_FRAME_FILE = "convert_frame.py"
 
