@@ -138,11 +138,11 @@ from graphzero_tools import bench_runners, compare
 class Flaky(bench_runners.DDPRunner):
     name = "flaky"
 
-    def step(self, micro, before_optimizer=None):
+    def step(self, micro, **kwargs):
         if dist.get_rank() == 1:
             raise ValueError("boom")          # rank 1 fails, rank 0 waits in a collective
         dist.all_reduce(torch.ones(3))
-        return super().step(micro, before_optimizer)
+        return super().step(micro, **kwargs)
 
 compare.RUNNERS["flaky"] = Flaky
 sys.exit(compare.main(sys.argv[1:]))

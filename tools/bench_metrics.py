@@ -1,7 +1,7 @@
 """What ``graphzero-compare`` measures on one rank: resident memory (RSS and its high-water mark),
-bytes of live gradient and optimizer-state tensors, collectives from ``torch.profiler`` events,
-Dynamo's graph and graph-break counters, and how far a runner's final parameters are from the
-reference's. Each function is a probe; the round loop (bench_worker.py) decides when to call it.
+bytes of live gradient and optimizer-state tensors, the peak of gathered (unsharded) parameters,
+the time of each phase of a step, collectives from ``torch.profiler`` events, Dynamo's graph and
+graph-break counters, and how far a runner's final parameters are from the reference's. Each function is a probe; the round loop (bench_worker.py) decides when to call it.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import ctypes
 import math
 import os
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bench_runners import Runner
+from .bench_runner import Runner
 
 
 def rss_bytes() -> int:
@@ -83,6 +85,64 @@ def memory_bytes(runner: Runner) -> tuple[int, int]:
     grad_bytes, grad_keys = storage_bytes((t for _, t in grads), param_keys)
     optim_bytes, _ = storage_bytes((t for _, t in state), param_keys | grad_keys)
     return grad_bytes, optim_bytes
+
+
+class PhaseTimer:
+    """Times the phases of one step (``with timer("forward"): ...``; the runner brackets "forward",
+    "backward" and "step"). On CUDA it records events and reads them in :meth:`totals` (after the
+    caller's synchronize), so timing adds no synchronization; on CPU it reads the wall clock.
+    ``current`` is the phase being run (read by :class:`GatheredParamProbe`)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.current: str | None = None
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        start = self._mark()
+        try:
+            yield
+        finally:
+            self._spans.append((name, start, self._mark()))
+            self.current = None
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase, summed over the step's micro-batches."""
+        out: dict[str, float] = {}
+        for name, start, end in self._spans:
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            out[name] = out.get(name, 0.0) + seconds
+        return out
+
+
+class GatheredParamProbe(TorchDispatchMode):
+    """The peak bytes of parameters held in full at once, per phase, for runners that gather
+    sharded parameters in eager code (DeepSpeed ZeRO-3, FSDP2): before every aten op it sums the
+    distinct storages of ``runner.gathered_params()``. Costly: only for the measurement step."""
+
+    def __init__(self, runner: Runner, timer: PhaseTimer):
+        super().__init__()
+        self.runner, self.timer = runner, timer
+        self.peak: dict[str, int] = {}
+
+    def sample(self) -> None:
+        params = self.runner.gathered_params() or []
+        total, _ = storage_bytes(params)
+        phase = self.timer.current or "other"
+        self.peak[phase] = max(self.peak.get(phase, 0), total)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sample()
+        return func(*args, **(kwargs or {}))
 
 
 _COLLECTIVE_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl|hccl):(\w+)$")

@@ -33,10 +33,21 @@ RUNNER_KEYS = (
     "optim_bytes_per_rank", "peak_rss_mib", "step_rss_growth_mib", "peak_device_mib", "collectives_per_step",
     "bytes_reduced_per_step", "bytes_gathered_per_step", "collectives_by_op", "max_abs_param_diff",
     "params_match", "final_loss", "losses", "graphs", "graph_breaks", "timed_graphs",
+    "phase_ms", "ratio_vs_torch_compile_fused", "gathered_peak_bytes", "gathered_peak_source",
 )
+#: Ratio columns: (baseline runner, JSON key, table header).
+RATIOS = (("ddp", "ratio_vs_ddp", "x ddp"), ("ds-plain-backward", "ratio_vs_ds_plain_backward", "x ds-plain"),
+          ("torch-compile-fused", "ratio_vs_torch_compile_fused", "x ideal"))
+PHASES = ("forward", "backward", "step")
 NOTES = [
     ("step ms: wall time of one optimizer step (gas micro-batches + optimizer), slowest rank, after a "
      "barrier; median [min, max] over the timed rounds. Ratios divide medians from this same run."),
+    ("fwd / bwd / opt ms: the step's phases, each the median over the timed rounds of the slowest "
+     "rank (so they need not add up to the step): forward and backward summed over the gas "
+     "micro-batches (graphzero: the compiled forward / backward graphs, the gradient reduction inside "
+     "the backward; DeepSpeed's non-boundary engine.step() counts as backward), opt the optimizer step "
+     "(DeepSpeed engine.step() per engine, ZeRO-1/2 parameter all-gather included; torch: clip + "
+     "AdamW). CUDA events on a GPU, wall clock on CPU."),
     ("compile s: first step minus median step (includes compilation for compiled runners, first-step "
      "allocation for the others)."),
     ("grad / optim: bytes per rank (max over ranks) of live tensors, deduplicated by storage, parameter "
@@ -52,6 +63,14 @@ NOTES = [
      "process-group backend's events (gloo:* / nccl:*), which eager, DeepSpeed, DDP, FSDP2 and compiled "
      "(_c10d_functional) collectives all reach; reduced = input bytes of all_reduce / reduce_scatter / "
      "reduce. Collectives that bypass the process group (e.g. DeepSpeed's shm ops) are not counted."),
+    ("gathered peak fwd / bwd (ZeRO-3 only): the most bytes of gathered (unsharded) parameters held at "
+     "once on a rank in the forward / the backward. (m) measured in the measurement step: before "
+     "every aten op, the distinct storages of the parameters held in full (DeepSpeed ZeRO-3: "
+     "parameters whose data is not released; FSDP2: parameters registered unsharded), so it is exact "
+     "at op granularity. (s) graphzero's compiled schedule, from its dump summary "
+     "(gathered_peak_bytes_fwd/bwd): the liveness of the all_gather outputs in the compiled graph, "
+     "derived, not measured (inductor may free buffers earlier). Full parameter bytes per rank are "
+     "in the title."),
     ("max abs dparam: max abs difference of the final full fp32 parameters from the reference runner "
      "(same initial weights and data); 'ok' when within the stated tolerance."),
 ]
@@ -128,6 +147,9 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
                 bytes_reduced_per_step=max((r["collectives"] or {}).get("bytes_reduced", 0) for r in ranks),
                 bytes_gathered_per_step=max((r["collectives"] or {}).get("bytes_gathered", 0) for r in ranks),
                 collectives_by_op=coll.get("by_op"),
+                phase_ms=_phase_medians([r["phase_s"] for r in ranks]),
+                gathered_peak_bytes=next((r["gathered_peak"] for r in ranks if r["gathered_peak"]), None),
+                gathered_peak_source=next((r["gathered_source"] for r in ranks if r["gathered_source"]), None),
                 max_abs_param_diff=diffs.get(name),
                 params_match=None if diffs.get(name) is None else bool(diffs[name] <= tol),
             )
@@ -137,7 +159,7 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
             entry["optim_bytes"] = max(ob) if ob else None
         runners[name] = entry
     for name, entry in runners.items():
-        for base, key in (("ddp", "ratio_vs_ddp"), ("ds-plain-backward", "ratio_vs_ds_plain_backward")):
+        for base, key, _ in RATIOS:
             mine, theirs = _median_ms(entry), _median_ms(runners.get(base, {}))
             entry[key] = _round(mine / theirs, 3) if mine and theirs else None
     return {
@@ -148,7 +170,7 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(device),
         "workload": {"model": args.model, "description": workload.description, "size": asdict(workload.size),
-                     "parts": workload.numel(), "stage": args.stage, "dtype": args.dtype, "gas": args.gas,
+                     "parts": workload.numel(), "param_bytes": _param_bytes(workload, args.dtype), "stage": args.stage, "dtype": args.dtype, "gas": args.gas,
                      "world_size": world, "backend": backend, "device": device.type,
                      "threads_per_rank": threads, "warmup": args.warmup, "steps": args.steps,
                      "rounds": args.warmup + 1 + args.steps, "seed": args.seed, "lr": args.lr},
@@ -157,6 +179,20 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
         "notes": NOTES,
         "runners": runners,
     }
+
+
+def _phase_medians(per_rank: list[list[dict[str, float]]]) -> dict[str, float | None]:
+    """Per phase: the median over timed rounds of the slowest rank's seconds, in ms."""
+    out: dict[str, float | None] = {}
+    for phase in PHASES:
+        rounds = [max(step.get(phase, 0.0) for step in steps) for steps in zip(*per_rank)]
+        out[phase] = _round(statistics.median(rounds) * 1e3, 3) if rounds else None
+    return out
+
+
+def _param_bytes(workload, dtype: str) -> int:
+    """Bytes of all parameters, full, in the training dtype (what ZeRO-3 shards and gathers)."""
+    return sum(workload.numel().values()) * (2 if dtype == "bf16" else 4)
 
 
 def _round(x: float | None, nd: int) -> float | None:
@@ -171,16 +207,36 @@ def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _phases(e: dict[str, Any]) -> str:
+    ph = e.get("phase_ms") or {}
+    return " / ".join(_num(ph.get(k), ".1f") for k in PHASES)
+
+
+def _gathered(e: dict[str, Any]) -> str:
+    peak = e.get("gathered_peak_bytes")
+    if not peak:
+        return "n/a"
+    tag = {"measured": "m", "compiled schedule": "s"}.get(e.get("gathered_peak_source") or "", "?")
+    return f"{_bytes(peak.get('forward'))} / {_bytes(peak.get('backward'))} ({tag})"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The rank-0 report: a tabulate table, then the failures and the notes."""
+    """The rank-0 report: a tabulate table, then the failures and the notes. The "x ideal" column
+    shows only when torch-compile-fused ran, the gathered-parameter peak only with ZeRO-3."""
     from tabulate import tabulate
 
     ref = result.get("reference")
-    headers = ["runner", "status", "step ms med [min, max]", "x ddp", "x ds-plain", "compile s",
-               "grad", "optim", "peak RSS MiB", "+step MiB", "colls/step", "reduced/step",
-               "graphs/breaks (timed)", f"max abs dparam vs {ref or 'n/a'}"]
+    w = result["workload"]
+    ents = result["runners"]
+    ratios = [(key, head) for base, key, head in RATIOS
+              if base != "torch-compile-fused" or (ents.get(base) or {}).get("status") == "ok"]
+    zero3 = w.get("stage") == 3
+    headers = ["runner", "status", "step ms med [min, max]", *(h for _, h in ratios), "fwd / bwd / opt ms",
+               "compile s", "grad", "optim", *(["gathered peak fwd / bwd"] if zero3 else []),
+               "peak RSS MiB", "+step MiB", "colls/step", "reduced/step", "graphs/breaks (timed)",
+               f"max abs dparam vs {ref or 'n/a'}"]
     rows, failures = [], []
-    for name, e in result["runners"].items():
+    for name, e in ents.items():
         status = e["status"]
         if status != "ok":
             failures.append(f"[{len(failures) + 1}] {name}: {status}"
@@ -194,14 +250,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{diff:.1e} {'ok' if e['params_match'] else 'DIFFERS'}")
         gb = "-" if e["graphs"] is None else f"{e['graphs']}/{e['graph_breaks']} ({e['timed_graphs']})"
         rows.append([name, "ok", f"{s['median']:.1f} [{s['min']:.1f}, {s['max']:.1f}]",
-                     _num(e["ratio_vs_ddp"], ".2f"), _num(e["ratio_vs_ds_plain_backward"], ".2f"),
+                     *(_num(e.get(key), ".2f") for key, _ in ratios), _phases(e),
                      _num(e["compile_s"], ".1f"), _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
+                     *([_gathered(e)] if zero3 else []),
                      _num(e["peak_rss_mib"], ".0f"), _num(e["step_rss_growth_mib"], ".1f"),
                      e["collectives_per_step"], _bytes(e["bytes_reduced_per_step"]), gb, diff_s])
-    w = result["workload"]
+    params = f", parameters {_bytes(w['param_bytes'])} in full" if w.get("param_bytes") else ""
     title = (f"graphzero-compare: {w['model']} ({w['description']}), ZeRO-{w['stage']}, {w['dtype']}, "
              f"gas {w['gas']}, {w['world_size']} ranks {w['backend']}/{w['device']}, "
-             f"{w['steps']} timed steps after {w['warmup']} warm-up + 1 measurement")
+             f"{w['steps']} timed steps after {w['warmup']} warm-up + 1 measurement{params}")
     lines = [title, tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)]
     if failures:
         lines += ["", "not run / failed:"] + failures

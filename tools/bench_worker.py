@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from .bench_metrics import (
+    GatheredParamProbe,
+    PhaseTimer,
     dynamo_counts,
     hwm_bytes,
     malloc_trim,
@@ -91,6 +93,7 @@ class _Tracker:
         self.setup_s: float | None = None
         self.first_step_s: float | None = None
         self.step_s: list[float] = []
+        self.phase_s: list[dict[str, float]] = []  # per timed step: forward / backward / step seconds
         self.losses: list[float] = []
         self.grad_bytes: int | None = None
         self.optim_bytes: int | None = None
@@ -98,6 +101,8 @@ class _Tracker:
         self.rss_growth = 0
         self.peak_device: int | None = None
         self.collectives: dict[str, Any] | None = None
+        self.gathered_peak: dict[str, int] | None = None  # bytes per phase (ZeRO-3, FSDP2)
+        self.gathered_source: str | None = None  # "measured" or "compiled schedule"
         self.graphs = 0
         self.graph_breaks = 0
         self.timed_graphs = 0  # graphs compiled during timed steps: recompiles in the steady state
@@ -184,7 +189,8 @@ def _run(args, rank, world, device, backend, threads, ctrl: _Group) -> None:
             bf16_round_(part)
     ctx = RunContext(workload=workload, stage=args.stage, bf16=args.dtype == "bf16", gas=args.gas,
                      rank=rank, world_size=world, device=device, hyper=Hyper(lr=args.lr),
-                     graphzero_call=args.graphzero_call, reduce_bucket_size=args.reduce_bucket_size)
+                     graphzero_call=args.graphzero_call, reduce_bucket_size=args.reduce_bucket_size,
+                     prefetch_bucket_size=args.prefetch_bucket_size, max_live_parameters=args.max_live_parameters)
     if any(issubclass(RUNNERS[n], _ds_base()) for n in args.runners):
         _init_deepspeed(backend, args.timeout, args.verbose)
     ctrl.barrier()
@@ -331,17 +337,21 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         rss0 = rss_bytes()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+    timer = PhaseTimer(device)
     ctrl.barrier()
     _sync(device)
     t0 = time.perf_counter()
     if phase == "measure":
         from torch.profiler import ProfilerActivity, profile
 
+        sharded = _metric(runner.gathered_params, "gathered parameters", runner.name) is not None
+        probe = GatheredParamProbe(runner, timer) if sharded else None
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            loss, outcome = _run_guarded(runner.step, micro, before_optimizer=count_grads)
+            with probe if probe is not None else contextlib.nullcontext():
+                loss, outcome = _run_guarded(runner.step, micro, before_optimizer=count_grads, phases=timer)
             _sync(device)
     else:
-        loss, outcome = _run_guarded(runner.step, micro)
+        loss, outcome = _run_guarded(runner.step, micro, phases=timer)
         _sync(device)
     elapsed = time.perf_counter() - t0
     graphs1, breaks1 = dynamo_counts()
@@ -356,6 +366,7 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         tr.first_step_s = elapsed
     if phase == "timed":
         tr.step_s.append(elapsed)
+        tr.phase_s.append(timer.totals())
         hwm = hwm_bytes()
         tr.peak_rss = max(tr.peak_rss, hwm)
         if have_hwm:
@@ -366,6 +377,11 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         tr.collectives = summarize_collectives(prof.events(), world)
         tr.grad_bytes = extra.get("grad_bytes")
         tr.optim_bytes = _metric(lambda: memory_bytes(runner)[1], "optimizer bytes", runner.name)
+        if probe is not None:
+            tr.gathered_peak, tr.gathered_source = probe.peak, "measured"
+        elif hasattr(runner, "graph_stats"):
+            tr.gathered_peak = _metric(runner.graph_stats, "gathered-parameter peak", runner.name)
+            tr.gathered_source = "compiled schedule" if tr.gathered_peak is not None else None
     return None
 
 

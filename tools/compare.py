@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
                    help="DeepSpeed zero_optimization.reduce_bucket_size (default: DeepSpeed's, 5e8; "
                    "ZeRO-3 allocates a bucket that size up front)")
+    p.add_argument("--prefetch-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                   help="ZeRO-3: DeepSpeed zero_optimization.stage3_prefetch_bucket_size (default DeepSpeed's, "
+                   "5e7: it bounds how far DeepSpeed eager gathers ahead; graphzero prefetches one gather)")
+    p.add_argument("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
+                   help="ZeRO-3: DeepSpeed zero_optimization.stage3_max_live_parameters (default DeepSpeed's, 1e9)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: bounds a collective that a failed rank never joins")

@@ -1,0 +1,185 @@
+"""The ``graphzero-compare`` runners built on DeepSpeed engines: DeepSpeed eager (plain
+``loss.backward()`` and ``engine.backward``), graphzero (inductor and eager inner compiler) and
+DeepCompile. DeepSpeed is imported only inside ``setup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .bench_runner import Runner, RunnerSkipped, TensorList, to_device, walk_tensors
+
+
+class DeepSpeedPlainBackward(Runner):
+    """DeepSpeed eager: ``loss = loss_fn(engines, batch)`` (each part called as ``engine(x)``),
+    plain ``loss.backward()``, then ``engine.step()`` for every engine (every micro-batch: managed
+    gradient accumulation)."""
+
+    name = "ds-plain-backward"
+    extra_config: ClassVar[dict[str, Any]] = {}
+
+    def setup(self) -> None:
+        import deepspeed
+
+        self.engines: dict[str, Any] = {}
+        for part_name, module in self.ctx.fresh_parts().items():
+            engine, *_ = deepspeed.initialize(model=module, config=self.ctx.ds_config(self.extra_config))
+            self.engines[part_name] = engine
+
+    def _float_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.ctx.bf16 else torch.float32
+
+    def compute_loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.ctx.workload.loss(self.engines, *batch)
+
+    def forward(self, batch):
+        return self.compute_loss(to_device(batch, self.ctx.device, self._float_dtype()))
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def backward(self, loss, boundary):
+        self.run_backward(loss)
+        if not boundary:
+            for engine in self.engines.values():
+                engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+
+    def optimizer_step(self) -> None:
+        for engine in self.engines.values():
+            engine.step()
+
+    def memory_tensors(self):
+        grads: TensorList = []
+        state: TensorList = []
+        params: list[torch.Tensor] = []
+        for part_name, engine in self.engines.items():
+            for pn, p in engine.module.named_parameters():
+                params.append(p)
+                if getattr(p, "ds_tensor", None) is not None:
+                    params.append(p.ds_tensor)
+                if p.grad is not None:
+                    grads.append((f"{part_name}.{pn}.grad", p.grad))
+            for path, t in walk_tensors(engine.optimizer, f"{part_name}.optimizer", []):
+                is_grad = any(w in path.lower() for w in ("grad", "ipg"))  # ipg: gradient buckets
+                (grads if is_grad else state).append((path, t))
+        return grads, state, params
+
+    def gathered_params(self):
+        """ZeRO-3: a released parameter's ``data`` is an empty tensor (its shard is ``ds_tensor``),
+        so the non-empty ones are those gathered right now (views of DeepSpeed's gather buffers)."""
+        if self.ctx.stage != 3:
+            return None
+        return [p for e in self.engines.values() for p in e.module.parameters() if p.numel()]
+
+    def full_params(self):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for part_name, engine in self.engines.items():
+            for pn, p in engine.module.named_parameters():
+                full = safe_get_full_fp32_param(p)
+                out[f"{part_name}.{pn}"] = (p.detach() if full is None else full).float().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        for engine in getattr(self, "engines", {}).values():
+            with contextlib.suppress(Exception):
+                engine.destroy()
+        self.engines = {}
+
+
+class DeepSpeedEngineBackward(DeepSpeedPlainBackward):
+    """DeepSpeed eager with ``engine.backward(loss)``. A loss spanning several engines is driven by
+    the engine of the last part (the one producing the loss: ``b``, ``disc``, ``c``, ``head``);
+    the other engines see it through their own output hooks, as DeepSpeed 0.19 does for a shared
+    loss."""
+
+    name = "ds-engine-backward"
+
+    def run_backward(self, loss):
+        list(self.engines.values())[-1].backward(loss)
+
+
+class GraphZeroRunner(DeepSpeedPlainBackward):
+    """graphzero (DESIGN.md section 1): the same DeepSpeed engines, the loss function compiled with
+    ``torch.compile(step, backend="graphzero", options={"engines": {...}, "inner": ...})``, plain
+    ``loss.backward()``, then each ``engine.step()``. With ZeRO-3 it also writes graphzero's dump
+    (rank 0, a temporary directory), whose summary has the gathered-parameter peak of the
+    compiled schedule (:meth:`graph_stats`)."""
+
+    name = "graphzero-inductor"
+    compiled = True
+    inner: ClassVar[str] = "inductor"
+
+    def setup(self) -> None:
+        import graphzero  # noqa: F401  (importing registers the backend)
+
+        super().setup()
+        parts = {k: (e if self.ctx.graphzero_call == "engine" else e.module) for k, e in self.engines.items()}
+        loss_fn = self.ctx.workload.loss
+
+        def step(*batch):
+            return loss_fn(parts, *batch)
+
+        options: dict[str, Any] = {"engines": dict(self.engines), "inner": self.inner}
+        self._dump_dir = None
+        if self.ctx.stage == 3:
+            self._dump_dir = tempfile.mkdtemp(prefix=f"graphzero-compare-{self.name}-")
+            options["dump_dir"] = self._dump_dir
+        self._compiled = torch.compile(step, backend="graphzero", options=options)
+
+    def compute_loss(self, batch):
+        return self._compiled(*batch)
+
+    def gathered_params(self):
+        return None  # gathered inside the compiled graph: see graph_stats
+
+    def graph_stats(self) -> dict[str, int] | None:
+        """The gathered-parameter peak of the compiled forward / backward (bytes, the most over the
+        compiled graphs; the dump records the graph-wide peak under every engine that gathers), from
+        the dump summary. None on ranks that do not write the dump, or without ZeRO-3."""
+        path = Path(self._dump_dir) / "summary.json" if self._dump_dir else None
+        if path is None or not path.exists():
+            return None
+        stats = {"forward": 0, "backward": 0}
+        for graph in json.loads(path.read_text()).get("graphs", []):
+            for engine in graph.get("engines", {}).values():
+                stats["forward"] = max(stats["forward"], engine.get("gathered_peak_bytes_fwd", 0))
+                stats["backward"] = max(stats["backward"], engine.get("gathered_peak_bytes_bwd", 0))
+        return stats
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_dump_dir", None):
+            shutil.rmtree(self._dump_dir, ignore_errors=True)
+            self._dump_dir = None
+
+
+class GraphZeroEagerRunner(GraphZeroRunner):
+    name = "graphzero-eager"
+    inner = "eager"
+
+
+class DeepCompileRunner(DeepSpeedEngineBackward):
+    """DeepSpeed DeepCompile (``compile: {deepcompile: true}`` + ``engine.compile()``): CUDA only."""
+
+    name = "deepcompile"
+    compiled = True
+    extra_config: ClassVar[dict[str, Any]] = {"compile": {"deepcompile": True}}
+
+    def setup(self) -> None:
+        if self.ctx.device.type != "cuda":
+            raise RunnerSkipped("needs CUDA")
+        super().setup()
+        for engine in self.engines.values():
+            engine.compile()
+
+    def gathered_params(self):
+        return None  # gathered inside DeepCompile's graph

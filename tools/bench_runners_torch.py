@@ -1,0 +1,183 @@
+"""The ``graphzero-compare`` runners built on PyTorch alone: DDP (the parameter reference), FSDP2
+(``fully_shard``) and the single-process ideal (plain ``torch.compile`` + fused AdamW)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .bench_models import Block
+from .bench_runner import Runner, RunnerSkipped, TensorList, local_tensor, to_device, walk_tensors
+
+
+class _TorchRunner(Runner):
+    """One wrapper and one ``torch.optim.AdamW`` per part; ``clip_grad_norm_`` per part; with bf16
+    the forward runs under ``torch.autocast(bf16)`` when ``autocast_bf16`` (fp32 weights and
+    gradients)."""
+
+    autocast_bf16 = False
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def _optimizer(self, params) -> torch.optim.Optimizer:
+        h = self.ctx.hyper
+        return torch.optim.AdamW(params, lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay)
+
+    def _inner(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def setup(self) -> None:
+        self.models = {k: self._wrap(m.to(self.ctx.device)) for k, m in self.ctx.fresh_parts().items()}
+        self.optims = {k: self._optimizer(m.parameters()) for k, m in self.models.items()}
+
+    def compute_loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.ctx.workload.loss(self.models, *batch)
+
+    def forward(self, batch):
+        batch = to_device(batch, self.ctx.device, torch.float32)
+        if self.autocast_bf16 and self.ctx.bf16:
+            with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16):
+                return self.compute_loss(batch)
+        return self.compute_loss(batch)
+
+    def backward(self, loss, boundary):
+        (loss / self.ctx.gas).backward()
+
+    def optimizer_step(self) -> None:
+        for k, model in self.models.items():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.ctx.hyper.clip)
+            self.optims[k].step()
+            self.optims[k].zero_grad(set_to_none=True)
+
+    def memory_tensors(self):
+        grads: TensorList = []
+        state: TensorList = []
+        params: list[torch.Tensor] = []
+        for k, model in self.models.items():
+            for pn, p in model.named_parameters():
+                params.append(local_tensor(p))
+                if p.grad is not None:
+                    grads.append((f"{k}.{pn}.grad", local_tensor(p.grad)))
+            walk_tensors(self.optims[k].state, f"{k}.optim.state", state)
+        return grads, state, params
+
+    def full_params(self):
+        out = {}
+        for k, model in self.models.items():
+            for pn, p in self._inner(model).named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                out[f"{k}.{pn}"] = full.float().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        self.models, self.optims = {}, {}
+
+
+class DDPRunner(_TorchRunner):
+    """PyTorch DDP, one wrapper per part (``gradient_as_bucket_view=True``, so the gradient buckets
+    are the ``.grad`` tensors counted); ``no_sync`` on non-boundary micro-batches; bf16 runs under
+    ``torch.autocast`` with fp32 weights and gradients."""
+
+    name = "ddp"
+    autocast_bf16 = True
+
+    def _wrap(self, module):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+
+    def _inner(self, model):
+        return model.module
+
+    def micro_context(self, boundary):
+        if boundary:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for model in self.models.values():
+            stack.enter_context(model.no_sync())
+        return stack
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP2 shards on their own with ZeRO-3 (``--stage 3``): every transformer
+    ``Block``, ``Linear`` and ``Embedding`` below the part's root, outermost first (the root keeps
+    what is left, e.g. the final LayerNorm). A part that is one Linear (the LM head) has none."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, (Block, nn.Linear, nn.Embedding)):
+            units.append(child)
+        else:
+            units.extend(shard_units(child))
+    return units
+
+
+class FSDP2Runner(_TorchRunner):
+    """PyTorch FSDP2 on a 1-D device mesh: ``fully_shard`` with one root per part; with ZeRO-3
+    (``--stage 3``) first each of :func:`shard_units` with ``reshard_after_forward=True``, so that
+    only a unit's parameters (plus prefetch) are gathered at a time, like DeepSpeed ZeRO-3. bf16
+    uses ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; gradient sync only on the
+    boundary micro-batch (``set_requires_gradient_sync``)."""
+
+    name = "fsdp2"
+
+    def _wrap(self, module):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not hasattr(self, "_mesh"):
+            self._mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        kwargs = {}
+        if self.ctx.bf16:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.ctx.stage == 3:
+            for unit in shard_units(module):
+                fully_shard(unit, mesh=self._mesh, reshard_after_forward=True, **kwargs)
+        return fully_shard(module, mesh=self._mesh, **kwargs)
+
+    def micro_context(self, boundary):
+        for model in self.models.values():
+            model.set_requires_gradient_sync(boundary)
+        return contextlib.nullcontext()
+
+    def gathered_params(self):
+        """Unsharded parameters are plain tensors registered in place of the sharded DTensors
+        between FSDP2's all-gather and its reshard."""
+        from torch.distributed.tensor import DTensor
+
+        return [p for m in self.models.values() for p in m.parameters() if not isinstance(p, DTensor)]
+
+
+class TorchCompileFusedRunner(_TorchRunner):
+    """The single-process ideal (no DeepSpeed, no DDP): the loss function under plain
+    ``torch.compile`` (inductor), ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` per
+    part; bf16 under ``torch.autocast``. World size 1 only, since nothing synchronizes gradients."""
+
+    name = "torch-compile-fused"
+    compiled = True
+    autocast_bf16 = True
+
+    def setup(self) -> None:
+        if self.ctx.world_size != 1:
+            raise RunnerSkipped("world size 1 only (no gradient synchronization)")
+        super().setup()
+        loss_fn, models = self.ctx.workload.loss, self.models
+
+        def step(*batch):
+            return loss_fn(models, *batch)
+
+        self._compiled = torch.compile(step)
+
+    def _wrap(self, module):
+        return module
+
+    def _optimizer(self, params):
+        h = self.ctx.hyper
+        return torch.optim.AdamW(params, lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay,
+                                 fused=True)
+
+    def compute_loss(self, batch):
+        return self._compiled(*batch)
