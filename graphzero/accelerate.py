@@ -49,12 +49,15 @@ Both forms work: one ``Accelerator(deepspeed_plugins={name: plugin, ...})`` with
 ``select_deepspeed_plugin(name)`` before each ``prepare``, and one ``Accelerator`` per model (in
 Accelerate's design the first one holds every plugin and later ones are created without one);
 call ``enable(acc_a, acc_b)`` (or ``enable`` on each). Models are named after their plugin.
+
+This module is the entry point and the runtime wrappers ``enable`` installs (optimizer ``step`` /
+``zero_grad``, the plain backward, ``no_sync``); the checks made before anything changes, and
+finding the DeepSpeed models an Accelerator prepared, are in accelerate_checks.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,14 +65,19 @@ from typing import Any
 import torch
 
 from . import deepspeed_adapter
+from .accelerate_checks import (
+    MAX_VERSION_EXCLUSIVE,
+    MIN_VERSION,
+    check_accelerator,
+    check_gas,
+    check_version,
+    deepspeed_models,
+    describe,
+    is_engine,
+)
 from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")
-
-# Tested: accelerate 1.16.0 (with transformers 5.24.0 and deepspeed 0.19.8). The lower bound is
-# where multi-plugin DeepSpeed and this object layout were checked; 2.x is unknown.
-MIN_VERSION = "1.16"
-MAX_VERSION_EXCLUSIVE = "2"
 
 _ATTR = "_graphzero_accelerate"
 
@@ -110,13 +118,14 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         raise AccelerateError(
             "graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train"
         )
-    _check_version()
+    check_version()
     found: list[tuple[str, Any, list]] = []
     for accelerator in accelerators:
-        _check_accelerator(accelerator)
-        found += _deepspeed_models(accelerator)
+        check_accelerator(accelerator)
+        known = {engine: record.name for engine, record in _registry(accelerator).items()}
+        found += deepspeed_models(accelerator, known)
     for name, engine, _ in found:
-        _check_gas(accelerators[0], _Model(name, engine))
+        check_gas(accelerators[0], name, engine)
     # Validates every engine (config, ownership, world size) before changing any of them.
     deepspeed_adapter.attach([(name, engine) for name, engine, _ in found])
     registry = _registry(accelerators[0])
@@ -147,7 +156,7 @@ def disable(*accelerators: Any) -> None:
             continue
         registry = _registry(accelerator)
         for engine in accelerator._models:
-            record = registry.pop(engine, None) if _is_engine(engine) else None
+            record = registry.pop(engine, None) if is_engine(engine) else None
             if record is not None:
                 for opt in record.optimizers:
                     for attr in ("step", "zero_grad"):
@@ -156,135 +165,6 @@ def disable(*accelerators: Any) -> None:
         accelerator.deepspeed_engine_wrapped = state["wrapped"]
         accelerator.__dict__.pop("no_sync", None)
         delattr(accelerator, _ATTR)
-
-
-# -- checks ---------------------------------------------------------------------------------------
-
-
-def _check_version() -> None:
-    try:
-        import accelerate
-        from accelerate import Accelerator
-        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper  # noqa: F401
-    except ImportError as exc:
-        raise AccelerateError(
-            f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}"
-        )
-    from packaging.version import Version
-
-    version = Version(accelerate.__version__)
-    if not Version(MIN_VERSION) <= version < Version(MAX_VERSION_EXCLUSIVE):
-        raise AccelerateError(
-            f"accelerate {accelerate.__version__} is not a version graphzero.accelerate understands "
-            f"(tested: >={MIN_VERSION},<{MAX_VERSION_EXCLUSIVE}); it replaces Accelerate's DeepSpeed backward and "
-            "optimizer wrappers and cannot tell whether they still work the way it assumes"
-        )
-    # The one code path replaced: Accelerator.backward must reach DeepSpeed through
-    # deepspeed_engine_wrapped.backward(loss, sync_gradients=...), or that replacement is bypassed.
-    try:
-        source = inspect.getsource(Accelerator.backward)
-    except (OSError, TypeError):
-        source = None
-    if source is not None and "deepspeed_engine_wrapped.backward" not in source:
-        raise AccelerateError(
-            f"accelerate {accelerate.__version__}: Accelerator.backward no longer calls "
-            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()"
-        )
-
-
-def _check_accelerator(accelerator: Any) -> None:
-    from accelerate.utils import DistributedType
-
-    for attr in ("_models", "_optimizers", "gradient_state", "deepspeed_engine_wrapped", "no_sync", "state"):
-        if not hasattr(accelerator, attr):
-            raise AccelerateError(
-                f"{type(accelerator).__name__} has no {attr!r}: not an Accelerator this version of "
-                "graphzero.accelerate understands"
-            )
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise AccelerateError(
-            f"the Accelerator uses {accelerator.distributed_type}, not DeepSpeed: graphzero.accelerate trains "
-            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))"
-        )
-
-
-def _is_engine(obj: Any) -> bool:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    return isinstance(obj, DeepSpeedEngine)
-
-
-def _describe(model: Any) -> str:
-    module = getattr(model, "module", model)
-    return f"{type(module).__module__}.{type(module).__qualname__}"
-
-
-def _deepspeed_models(accelerator: Any) -> list[tuple[str, Any, list]]:
-    """``(name, engine, [prepared optimizer wrappers])`` of each trainable DeepSpeed model; refuses
-    models and optimizers that Accelerate prepared without DeepSpeed."""
-    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
-
-    raw = getattr(accelerator.state, "deepspeed_plugins", None)
-    plugins = dict(raw) if isinstance(raw, dict) else ({"model": raw} if raw is not None else {})
-    found = []
-    engines = [m for m in accelerator._models if _is_engine(m)]
-    for i, model in enumerate(accelerator._models):
-        if _is_engine(model):
-            continue
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        if trainable and engines:
-            raise AccelerateError(
-                f"model {i} ({_describe(model)}) was prepared without DeepSpeed next to DeepSpeed engines: its "
-                f"gradients (e.g. {trainable[0]!r}) would be neither averaged over ranks nor stepped by any engine. "
-                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it"
-            )
-    for opt in accelerator._optimizers:
-        if not isinstance(opt, DeepSpeedOptimizerWrapper):
-            raise AccelerateError(
-                f"optimizer {type(getattr(opt, 'optimizer', opt)).__name__} was prepared without DeepSpeed next to "
-                "DeepSpeed engines: graphzero.accelerate cannot tell which model it trains. Prepare each model "
-                "together with its optimizer"
-            )
-    registry = _registry(accelerator)
-    taken = {record.name: engine for engine, record in registry.items()}
-    for engine in engines:
-        name = _plugin_name(engine, plugins, registry) or "model"
-        if taken.get(name, engine) is not engine:
-            # Several models prepared under one plugin: model, model1, model2, ...
-            name = next(f"{name}{k}" for k in range(1, len(taken) + 2) if f"{name}{k}" not in taken)
-        taken[name] = engine
-        if engine.optimizer is None:
-            # Inference only (a teacher): nothing to reduce or step. Its parameters get plain
-            # autograd .grad if a loss reaches them with grad enabled.
-            log.info(
-                "graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name
-            )
-            continue
-        optimizers = [opt for opt in accelerator._optimizers if opt.optimizer is engine.optimizer]
-        found.append((name, engine, optimizers))
-    return found
-
-
-def _plugin_name(engine: Any, plugins: dict, registry: dict) -> str | None:
-    record = registry.get(engine)
-    if record is not None:
-        return record.name
-    # Accelerate passes the active plugin's config dict itself to deepspeed.initialize.
-    for name, plugin in plugins.items():
-        if getattr(plugin, "deepspeed_config", None) is getattr(engine, "config", object()):
-            return name
-    return None
-
-
-def _check_gas(accelerator: Any, record: _Model) -> None:
-    gas = record.engine.gradient_accumulation_steps()
-    if gas != accelerator.gradient_accumulation_steps:
-        raise AccelerateError(
-            f"model {record.name!r}: DeepSpeed gradient_accumulation_steps={gas} but the Accelerator accumulates "
-            f"over {accelerator.gradient_accumulation_steps} micro-batches: the engine would scale gradients by "
-            f"1/{gas} and step on Accelerate's boundary. Give every plugin the same gradient_accumulation_steps "
-            "(or 'auto') as the Accelerator"
-        )
 
 
 # -- the Accelerate-specific part that reads DeepSpeed optimizer state ----------------------------
@@ -356,15 +236,15 @@ class _PlainBackward:
                 "gradient again. Call accelerator.backward() once per loss (sum the losses first)"
             )
         unattached = [
-            m for m in accelerator._models if _is_engine(m) and m.optimizer is not None and m not in registry
+            m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry
         ]
         if unattached:
             raise AccelerateError(
-                f"model ({_describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "
+                f"model ({describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "
                 "enable(accelerator) again after the last accelerator.prepare()"
             )
         for record in records:
-            _check_gas(accelerator, record)
+            check_gas(accelerator, record.name, record.engine)
         # Gradients a boundary backward left are consumed by a step() or dropped by zero_grad()
         # (the optimizer's or the engine's own) before the next backward, or nobody steps them.
         stale = [r.name for r in records if r.awaiting_step and _has_gradients(r.engine)]
