@@ -76,6 +76,9 @@ def test_ok_runners_have_metrics(mlp_run):
         assert e["collectives_by_op"]
         assert e["max_abs_param_diff"] is not None and e["params_match"] is not None
         assert len(e["losses"]) == 1 + 1 + STEPS and e["final_loss"] == e["losses"][-1]
+        assert set(e["phase_ms"]) == set(bench_report.PHASES) and all(v > 0 for v in e["phase_ms"].values())
+        assert sum(e["phase_ms"].values()) <= s["max"] * 1.01, (name, e["phase_ms"], s)
+        assert e["gathered_peak_bytes"] is None  # ZeRO-2: nothing is gathered per module
     assert runners["ddp"]["ratio_vs_ddp"] == 1.0 and runners["ddp"]["max_abs_param_diff"] == 0.0
     assert runners["ds-plain-backward"]["ratio_vs_ds_plain_backward"] == 1.0
     # Same weights and data: DeepSpeed ZeRO-2 and FSDP2 land on DDP's parameters (fp32, tiny model).
@@ -115,6 +118,43 @@ def test_plot_written(mlp_run):
     pytest.importorskip("matplotlib")
     png = mlp_run.tmp / "out.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+ZERO3_RUNNERS = ["graphzero-eager", "ds-engine-backward", "fsdp2", "ddp"]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compare_zero3")
+    proc = _compare(tmp, "--model", "mlp", "--stage", "3", "--steps", "1", "--reduce-bucket-size", "10000",
+                    "--runners", ",".join(ZERO3_RUNNERS), "--json", "z3.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return SimpleNamespace(proc=proc, result=json.loads((tmp / "z3.json").read_text()))
+
+
+def test_zero3_gathered_peak(zero3_run):
+    """--stage 3: DeepSpeed eager and FSDP2 (one unit per Linear) have a measured gathered-parameter
+    peak, graphzero the one of its compiled schedule; a peak is never more than all parameters."""
+    res = zero3_run.result
+    full = res["workload"]["param_bytes"]
+    assert full == 4 * sum(res["workload"]["parts"].values())
+    runners = res["runners"]
+    for name in ("ds-engine-backward", "fsdp2"):
+        e = runners[name]
+        assert e["status"] == "ok", (name, e["error"])
+        assert e["gathered_peak_source"] == "measured", name
+        peak = e["gathered_peak_bytes"]
+        assert 0 < peak["forward"] <= full and 0 < peak["backward"] <= full, (name, peak)
+        assert e["params_match"], (name, e["max_abs_param_diff"])
+    # FSDP2 reshards each Linear after use: less than the whole model is ever gathered at once
+    assert runners["fsdp2"]["gathered_peak_bytes"]["forward"] < full
+    assert runners["ddp"]["gathered_peak_bytes"] is None
+    gz = runners["graphzero-eager"]
+    if gz["status"] == "ok":
+        assert gz["gathered_peak_source"] == "compiled schedule"
+        assert 0 < gz["gathered_peak_bytes"]["forward"] <= full
+    out = zero3_run.proc.stdout
+    assert "gathered peak fwd / bwd" in out and "(m)" in out and "fwd / bwd / opt ms" in out
 
 
 def test_failing_runner_is_reported(tmp_path):
@@ -226,6 +266,47 @@ def test_workloads_build_and_run(model):
             assert torch.equal(p, q)
 
 
+def test_phase_timer_and_gathered_probe():
+    """The probe samples, before every aten op, the bytes of what gathered_params() returns."""
+    import torch
+
+    from graphzero_tools.bench_runner import Runner
+
+    class Holder(Runner):
+        def gathered_params(self):
+            return self.held
+
+    runner = Holder(ctx=None)
+    runner.held = []
+    timer = bench_metrics.PhaseTimer(torch.device("cpu"))
+    probe = bench_metrics.GatheredParamProbe(runner, timer)
+    with probe:
+        with timer("forward"):
+            runner.held = [torch.ones(256)]           # 1 KiB "gathered"
+            torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+            runner.held = []
+        with timer("backward"):
+            flat = torch.zeros(512)
+            runner.held = [flat[:256], flat[256:]]    # views of one 2 KiB buffer: counted once
+            torch.add(flat, 1)
+    assert probe.peak["forward"] == 1024 and probe.peak["backward"] == 2048
+    totals = timer.totals()
+    assert set(totals) == {"forward", "backward"} and all(v >= 0 for v in totals.values())
+
+
+def test_shard_units():
+    from torch import nn
+
+    from graphzero_tools.bench_runners_torch import shard_units
+
+    mlp = build_workload("mlp", resolve_size("mlp", tiny=True))
+    assert [type(u) for u in shard_units(mlp.parts["a"])] == [nn.Linear, nn.Linear]
+    gpt = build_workload("transformer", resolve_size("transformer", tiny=True))
+    units = shard_units(gpt.parts["body"])
+    assert [type(u).__name__ for u in units] == ["Embedding", "Embedding", "Block"]
+    assert shard_units(gpt.parts["head"]) == []
+
+
 def test_format_table_lists_failures():
     entry = dict.fromkeys(bench_report.RUNNER_KEYS)
     ok = dict(entry, status="ok", step_ms={"median": 2.0, "min": 1.0, "max": 3.0, "all": [1, 2, 3]},
@@ -241,3 +322,10 @@ def test_format_table_lists_failures():
     assert "| ddp " in text and "2.0 [1.0, 3.0]" in text and "2.0 KiB" in text
     assert "failed [1]" in text and "[1] ds-plain-backward: failed at step 0 (warmup): KeyError: 0" in text
     assert "- a note" in text
+    assert "x ideal" not in text and "gathered peak" not in text  # no torch-compile-fused, ZeRO-2
+    ideal = dict(ok, ratio_vs_torch_compile_fused=1.0, phase_ms={"forward": 1.0, "backward": 0.5, "step": 0.25},
+                 gathered_peak_bytes={"forward": 1024, "backward": 2048}, gathered_peak_source="measured")
+    result["workload"]["stage"] = 3
+    result["runners"] = {"ddp": ok, "torch-compile-fused": ideal}
+    text = bench_report.format_table(result)
+    assert "x ideal" in text and "1.0 / 0.5 / 0.2" in text and "1.0 KiB / 2.0 KiB (m)" in text

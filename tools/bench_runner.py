@@ -69,6 +69,7 @@ class RunContext:
     reduce_bucket_size: int | None = None  # zero_optimization.reduce_bucket_size; None: DeepSpeed's default
     prefetch_bucket_size: int | None = None  # zero_optimization.stage3_prefetch_bucket_size (ZeRO-3)
     max_live_parameters: int | None = None  # zero_optimization.stage3_max_live_parameters (ZeRO-3)
+    max_reuse_distance: int | None = None  # zero_optimization.stage3_max_reuse_distance (ZeRO-3)
 
     def fresh_parts(self) -> dict[str, nn.Module]:
         return {name: copy.deepcopy(part) for name, part in self.workload.parts.items()}
@@ -82,6 +83,8 @@ class RunContext:
                 zero["stage3_prefetch_bucket_size"] = self.prefetch_bucket_size
             if self.max_live_parameters is not None:
                 zero["stage3_max_live_parameters"] = self.max_live_parameters
+            if self.max_reuse_distance is not None:
+                zero["stage3_max_reuse_distance"] = self.max_reuse_distance
         if self.reduce_bucket_size is not None:
             zero["reduce_bucket_size"] = self.reduce_bucket_size
         cfg: dict[str, Any] = {

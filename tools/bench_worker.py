@@ -190,7 +190,8 @@ def _run(args, rank, world, device, backend, threads, ctrl: _Group) -> None:
     ctx = RunContext(workload=workload, stage=args.stage, bf16=args.dtype == "bf16", gas=args.gas,
                      rank=rank, world_size=world, device=device, hyper=Hyper(lr=args.lr),
                      graphzero_call=args.graphzero_call, reduce_bucket_size=args.reduce_bucket_size,
-                     prefetch_bucket_size=args.prefetch_bucket_size, max_live_parameters=args.max_live_parameters)
+                     prefetch_bucket_size=args.prefetch_bucket_size, max_live_parameters=args.max_live_parameters,
+                     max_reuse_distance=args.max_reuse_distance)
     if any(issubclass(RUNNERS[n], _ds_base()) for n in args.runners):
         _init_deepspeed(backend, args.timeout, args.verbose)
     ctrl.barrier()

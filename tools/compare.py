@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "5e7: it bounds how far DeepSpeed eager gathers ahead; graphzero prefetches one gather)")
     p.add_argument("--max-live-parameters", type=int, default=None, metavar="ELEMENTS",
                    help="ZeRO-3: DeepSpeed zero_optimization.stage3_max_live_parameters (default DeepSpeed's, 1e9)")
+    p.add_argument("--max-reuse-distance", type=int, default=None, metavar="ELEMENTS",
+                   help="ZeRO-3: DeepSpeed zero_optimization.stage3_max_reuse_distance (default DeepSpeed's, 1e9: "
+                   "a parameter used again within that many elements, e.g. in the backward, stays gathered)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: bounds a collective that a failed rank never joins")

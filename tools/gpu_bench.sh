@@ -7,8 +7,11 @@
 # World size 1 on one GPU (two NCCL ranks cannot share a GPU; DeepCompile also needs one GPU per
 # rank), the mlp and transformer workloads, ZeRO-2 fp32 and bf16, every runner graphzero-compare has
 # (graphzero inductor/eager, DeepSpeed eager with engine.backward and with plain backward,
-# DeepCompile, FSDP2, DDP). Results: JSON under $OUT (or gpu-bench/), and a section appended to
-# docs/benchmarks.md with the command, the machine and the date. Bounded: every run has a timeout.
+# DeepCompile, FSDP2, DDP, and torch-compile-fused: plain torch.compile + AdamW(fused=True), the
+# single-process ideal, which runs at world size 1 only). The table has each runner's forward /
+# backward / optimizer-step split (CUDA events) and its ratio to the ideal ("x ideal").
+# Results: JSON under $OUT (or gpu-bench/), and a section appended to docs/benchmarks.md with the
+# command, the machine and the date. Bounded: every run has a timeout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
