@@ -135,9 +135,10 @@ class GatheredParamProbe(TorchDispatchMode):
         self.peak: dict[str, int] = {}
 
     def sample(self) -> None:
-        params = self.runner.gathered_params() or []
-        total, _ = storage_bytes(params)
-        phase = self.timer.current or "other"
+        phase = self.timer.current
+        if phase not in ("forward", "backward"):
+            return
+        total, _ = storage_bytes(self.runner.gathered_params() or [])
         self.peak[phase] = max(self.peak.get(phase, 0), total)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -155,7 +156,7 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
     """Count process-group backend events (``gloo:all_reduce``, ``nccl:reduce_scatter``, ...) from
     ``torch.profiler`` events (``name``, ``input_shapes``, ``input_dtypes``)."""
     by_op: dict[str, dict[str, int]] = {}
-    reduced = gathered = 0
+    reduced = gathered = reductions = 0
     for e in events:
         m = _COLLECTIVE_EVENT.match(getattr(e, "name", "") or "")
         if not m:
@@ -174,10 +175,11 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
         entry["bytes"] += nbytes
         if "reduce" in op:
             reduced += nbytes
+            reductions += 1
         elif "gather" in op:
             gathered += nbytes * world_size
     return {"count": sum(v["count"] for v in by_op.values()), "by_op": by_op,
-            "bytes_reduced": reduced, "bytes_gathered": gathered}
+            "bytes_reduced": reduced, "reductions": reductions, "bytes_gathered": gathered}
 
 
 def dynamo_counts() -> tuple[int, int]:

@@ -34,6 +34,7 @@ RUNNER_KEYS = (
     "bytes_reduced_per_step", "bytes_gathered_per_step", "collectives_by_op", "max_abs_param_diff",
     "params_match", "final_loss", "losses", "graphs", "graph_breaks", "timed_graphs",
     "phase_ms", "ratio_vs_torch_compile_fused", "gathered_peak_bytes", "gathered_peak_source",
+    "reductions_per_step", "eager_safety_net_per_step",
 )
 #: Ratio columns: (baseline runner, JSON key, table header).
 RATIOS = (("ddp", "ratio_vs_ddp", "x ddp"), ("ds-plain-backward", "ratio_vs_ds_plain_backward", "x ds-plain"),
@@ -71,6 +72,11 @@ NOTES = [
      "(gathered_peak_bytes_fwd/bwd): the liveness of the all_gather outputs in the compiled graph, "
      "derived, not measured (inductor may free buffers earlier). Full parameter bytes per rank are "
      "in the title."),
+    ("reduced/step (reductions): bytes into, and the number of, all_reduce / reduce_scatter / reduce "
+     "collectives in the measurement step, i.e. per optimizer step (gas micro-batches included). "
+     "safety net (graphzero only): gradients that eager autograd accumulated into an engine's parameter "
+     "(ZeRO-3: shard) in the measurement step, each one call of graphzero's eager safety net (0 when "
+     "every gradient goes through the compiled graphs)."),
     ("max abs dparam: max abs difference of the final full fp32 parameters from the reference runner "
      "(same initial weights and data); 'ok' when within the stated tolerance."),
 ]
@@ -145,6 +151,9 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
                                  if r0["peak_device"] is not None else None),
                 collectives_per_step=max((r["collectives"] or {}).get("count", 0) for r in ranks),
                 bytes_reduced_per_step=max((r["collectives"] or {}).get("bytes_reduced", 0) for r in ranks),
+                reductions_per_step=max((r["collectives"] or {}).get("reductions", 0) for r in ranks),
+                eager_safety_net_per_step=max((r["safety_net"] for r in ranks if r["safety_net"] is not None),
+                                              default=None),
                 bytes_gathered_per_step=max((r["collectives"] or {}).get("bytes_gathered", 0) for r in ranks),
                 collectives_by_op=coll.get("by_op"),
                 phase_ms=_phase_medians([r["phase_s"] for r in ranks]),
@@ -233,7 +242,8 @@ def format_table(result: dict[str, Any]) -> str:
     zero3 = w.get("stage") == 3
     headers = ["runner", "status", "step ms med [min, max]", *(h for _, h in ratios), "fwd / bwd / opt ms",
                "compile s", "grad", "optim", *(["gathered peak fwd / bwd"] if zero3 else []),
-               "peak RSS MiB", "+step MiB", "colls/step", "reduced/step", "graphs/breaks (timed)",
+               "peak RSS MiB", "+step MiB", "colls/step", "reduced/step (reductions)", "safety net",
+               "graphs/breaks (timed)",
                f"max abs dparam vs {ref or 'n/a'}"]
     rows, failures = [], []
     for name, e in ents.items():
@@ -254,7 +264,8 @@ def format_table(result: dict[str, Any]) -> str:
                      _num(e["compile_s"], ".1f"), _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
                      *([_gathered(e)] if zero3 else []),
                      _num(e["peak_rss_mib"], ".0f"), _num(e["step_rss_growth_mib"], ".1f"),
-                     e["collectives_per_step"], _bytes(e["bytes_reduced_per_step"]), gb, diff_s])
+                     e["collectives_per_step"], f"{_bytes(e['bytes_reduced_per_step'])} ({e['reductions_per_step']})",
+                     "-" if e["eager_safety_net_per_step"] is None else e["eager_safety_net_per_step"], gb, diff_s])
     params = f", parameters {_bytes(w['param_bytes'])} in full" if w.get("param_bytes") else ""
     title = (f"graphzero-compare: {w['model']} ({w['description']}), ZeRO-{w['stage']}, {w['dtype']}, "
              f"gas {w['gas']}, {w['world_size']} ranks {w['backend']}/{w['device']}, "

@@ -145,8 +145,11 @@ class FSDP2Runner(_TorchRunner):
 
     def gathered_params(self):
         """Unsharded parameters are plain tensors registered in place of the sharded DTensors
-        between FSDP2's all-gather and its reshard."""
+        between FSDP2's all-gather and its reshard. ZeRO-3 only (per-unit sharding)."""
         from torch.distributed.tensor import DTensor
+
+        if self.ctx.stage != 3:
+            return None
 
         return [p for m in self.models.values() for p in m.parameters() if not isinstance(p, DTensor)]
 

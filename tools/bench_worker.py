@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .bench_control import ControlGroup
 from .bench_metrics import (
     GatheredParamProbe,
     PhaseTimer,
@@ -45,43 +46,6 @@ def _format_error(e: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _Group:
-    """Control collectives on a separate gloo group: failure agreement, barriers, gathering results.
-    Its timeout is longer than the runners' so that a runner collective times out first."""
-
-    def __init__(self, timeout_s: float):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.pg = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=2 * timeout_s + 60))
-        self.world = dist.get_world_size()
-
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.pg)
-
-    def gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.pg)
-        return out
-
-    def agree(self, outcome: tuple[str, str] | None) -> tuple[str, str] | None:
-        """``outcome`` is None (fine) or (kind, message), kind 'failed' or 'skipped'. Returns the
-        outcome all ranks agree on: failed if any rank failed, else skipped if any skipped."""
-        flag = torch.tensor([0 if outcome is None else 1], dtype=torch.int32)
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.pg)
-        if not flag.item():
-            return None
-        outcomes = self.gather(outcome)
-        for kind in ("failed", "skipped"):
-            msgs = [(r, o[1]) for r, o in enumerate(outcomes) if o is not None and o[0] == kind]
-            if msgs:
-                distinct = list(dict.fromkeys(m for _, m in msgs))
-                if len(distinct) == 1:
-                    return kind, distinct[0] if len(msgs) == self.world else f"{distinct[0]} (rank {msgs[0][0]})"
-                return kind, "; ".join(f"rank {r}: {m}" for r, m in msgs)
-        return None
-
-
 class _Tracker:
     """Everything one rank records about one runner."""
 
@@ -103,6 +67,7 @@ class _Tracker:
         self.collectives: dict[str, Any] | None = None
         self.gathered_peak: dict[str, int] | None = None  # bytes per phase (ZeRO-3, FSDP2)
         self.gathered_source: str | None = None  # "measured" or "compiled schedule"
+        self.safety_net: int | None = None  # graphzero: eager safety-net calls in the measurement step
         self.graphs = 0
         self.graph_breaks = 0
         self.timed_graphs = 0  # graphs compiled during timed steps: recompiles in the steady state
@@ -173,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=dt.timedelta(seconds=args.timeout))
-    ctrl = _Group(args.timeout)
+    ctrl = ControlGroup(args.timeout)
     try:
         _run(args, rank, world, device, backend, threads, ctrl)
     finally:
@@ -181,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.destroy_process_group()
 
 
-def _run(args, rank, world, device, backend, threads, ctrl: _Group) -> None:
+def _run(args, rank, world, device, backend, threads, ctrl: ControlGroup) -> None:
     size = size_from_args(args)
     workload = build_workload(args.model, size, seed=args.seed)
     if args.dtype == "bf16":
@@ -324,7 +289,7 @@ def _progress(total: int, enabled: bool, desc: str):
     return tqdm(total=total, desc=desc, unit="round", file=sys.stderr, dynamic_ncols=True)
 
 
-def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device, ctrl: _Group,
+def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device, ctrl: ControlGroup,
               world: int) -> tuple[str, str] | None:
     graphs0, breaks0 = dynamo_counts()
     extra: dict[str, Any] = {}
@@ -345,6 +310,8 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
     if phase == "measure":
         from torch.profiler import ProfilerActivity, profile
 
+        eager0 = _metric(runner.eager_grads_seen, "eager gradients", runner.name) \
+            if hasattr(runner, "eager_grads_seen") else None
         sharded = _metric(runner.gathered_params, "gathered parameters", runner.name) is not None
         probe = GatheredParamProbe(runner, timer) if sharded else None
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -378,6 +345,8 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         tr.collectives = summarize_collectives(prof.events(), world)
         tr.grad_bytes = extra.get("grad_bytes")
         tr.optim_bytes = _metric(lambda: memory_bytes(runner)[1], "optimizer bytes", runner.name)
+        if eager0 is not None:
+            tr.safety_net = _metric(runner.eager_grads_seen, "eager gradients", runner.name) - eager0
         if probe is not None:
             tr.gathered_peak, tr.gathered_source = probe.peak, "measured"
         elif hasattr(runner, "graph_stats"):

@@ -16,8 +16,10 @@ failure (an all-reduce on a separate gloo group), so a runner that raises is rep
 its error and the others continue. See docs/benchmarks.md.
 
 This module is the command line and the process start-up. Each rank's round loop is
-bench_worker.py, the probes bench_metrics.py, the JSON/table/plot report bench_report.py, the
-runners bench_runners.py and the workloads bench_models.py.
+bench_worker.py (its control collectives bench_control.py), the probes bench_metrics.py, the
+JSON/table/plot report bench_report.py, the runners bench_runner.py (interface),
+bench_runners_deepspeed.py and bench_runners_torch.py (registry: bench_runners.py), and the
+workloads bench_models.py.
 """
 
 from __future__ import annotations
