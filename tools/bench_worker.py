@@ -310,8 +310,8 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
     if phase == "measure":
         from torch.profiler import ProfilerActivity, profile
 
-        eager0 = _metric(runner.eager_grads_seen, "eager gradients", runner.name) \
-            if hasattr(runner, "eager_grads_seen") else None
+        counts_eager = hasattr(runner, "eager_grads_seen")  # graphzero runners: the safety net
+        eager0 = _metric(runner.eager_grads_seen, "eager gradients", runner.name) if counts_eager else None
         sharded = _metric(runner.gathered_params, "gathered parameters", runner.name) is not None
         probe = GatheredParamProbe(runner, timer) if sharded else None
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -346,7 +346,7 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         tr.grad_bytes = extra.get("grad_bytes")
         tr.optim_bytes = _metric(lambda: memory_bytes(runner)[1], "optimizer bytes", runner.name)
         if eager0 is not None:
-            tr.safety_net = _metric(runner.eager_grads_seen, "eager gradients", runner.name) - eager0
+            tr.safety_net = _metric(lambda: runner.eager_grads_seen() - eager0, "eager gradients", runner.name)
         if probe is not None:
             tr.gathered_peak, tr.gathered_source = probe.peak, "measured"
         elif hasattr(runner, "graph_stats"):
