@@ -16,6 +16,9 @@ Interface (driven by bench_worker.py, which owns timing, failure agreement and m
 - ``full_params()``: every parameter, full and fp32 on CPU (a collective: call on all ranks).
 - ``close()``: drop everything.
 
+The graphzero runners also have ``graph_stats()`` (the gathered-parameter peak of the compiled
+schedule, from graphzero's dump) and ``eager_grads_seen()`` (calls of graphzero's eager safety net).
+
 Raising :class:`RunnerSkipped` in ``setup`` marks the runner skipped; any other exception marks it
 failed. The runners themselves are in bench_runners_deepspeed.py and bench_runners_torch.py; the
 registry is bench_runners.py.
