@@ -80,6 +80,8 @@ class ParamSet:
     # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
     # {id(shard): (group, position)}; read when a graph is compiled (shards may be re-created)
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
+    # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
+    gather_bucket_numel: int | None = None
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:

@@ -103,7 +103,19 @@ class Zero3Binding(DeepSpeedBinding):
     def _build_param_set(self):
         ps = super()._build_param_set()
         ps.shard_inputs = self.shard_inputs
+        ps.gather_bucket_numel = self._gather_bucket_numel()
         return ps
+
+    def _gather_bucket_numel(self) -> int:
+        """stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live (one
+        in use, one in flight) stay within stage3_max_live_parameters."""
+        prefetch = int(self.engine.zero_prefetch_bucket_size())
+        max_live = int(self.engine.zero_max_live_parameters())
+        if prefetch <= 0 or max_live <= 1:
+            raise UnsupportedConfigError(
+                f"engine {self.name!r}: zero_optimization.stage3_prefetch_bucket_size={prefetch} and "
+                f"stage3_max_live_parameters={max_live} leave no room for a parameter gather; set both positive")
+        return min(prefetch, max_live // 2)
 
     def shard_inputs(self) -> dict[int, tuple[int, int]]:
         return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
