@@ -64,7 +64,7 @@ def _hoist(gm: fx.GraphModule, node: fx.Node) -> None:
     inputs = node.all_input_nodes
     if inputs:
         latest = max(inputs, key=order.__getitem__)
-        if order[latest] + 1 < order[node]:
+        if latest.op != "placeholder" and order[latest] + 1 < order[node]:
             latest.append(node)
 
 

@@ -174,8 +174,9 @@ def test_measured_gathered_peak_stays_within_live_buckets(ranks, tmp_path):
     results = ranks.run(measured_memory_scenario, str(tmp_path / "layer"), None)
     for r in results:
         model = r["model_bytes"]
-        # forward: the bucket in use, the one in flight, the unpacking copy of one, activations (<1 bucket)
-        assert r["fwd_peak"] <= 4 * bucket_bytes < model / 3, r
+        # forward: the bucket in use, the one in flight (2 buckets), the unpacking copy of one (1),
+        # the in-flight bucket's concatenated shards (1/world), activations (~1/4)
+        assert r["fwd_peak"] <= 4.5 * bucket_bytes < model / 3, r
         # backward: two buckets of gathered weights and two of full-size gradients, plus the fp32
         # accumulation, which still holds every reduced shard gradient and their concatenation at
         # the end (2 x model / world): not yet per bucket
@@ -185,9 +186,10 @@ def test_measured_gathered_peak_stays_within_live_buckets(ranks, tmp_path):
         assert r["left"] < bucket_bytes / 4, r
     net = results[0]["summary"]["graphs"][-1]["engines"]["net"]
     computed = net["gathered_peak_bytes_fwd"]
-    # the graph-order estimate agrees with the measurement within what activations and the
-    # unpacking copies add
-    assert computed <= results[0]["fwd_peak"] <= computed + 2 * bucket_bytes, (computed, results[0])
+    # the graph-order estimate (two live buckets) agrees with the measurement within what it leaves
+    # out: the unpacking copy, the concatenated shards in flight, activations
+    assert computed == 2 * bucket_bytes, net
+    assert computed <= results[0]["fwd_peak"] <= computed + 2.5 * bucket_bytes, (computed, results[0])
     # Contrast, so the measurement is known to see gathered parameters: one bucket for the whole
     # model keeps the whole model alive at once.
     whole = ranks.run(measured_memory_scenario, str(tmp_path / "whole"), 10**9)
