@@ -35,6 +35,9 @@ class FlatGroup:
     presharded: bool = False
     shard_sizes: tuple[int, ...] = ()   # presharded: elements of each parameter's shard
     full_numels: tuple[int, ...] = ()   # presharded: elements of each parameter, whole
+    # presharded: parameters the engine keeps gathered (ZeRO-3 persistence threshold): their gathered
+    # value is saved for backward instead of gathered again
+    persistent: tuple[bool, ...] = ()
 
     def shard_numel(self, world_size: int) -> int:
         return self.numel // world_size if self.sharded else self.numel

@@ -95,6 +95,16 @@ def test_one_collective_per_parameter_with_tiny_buckets(ranks, tmp_path):
     assert (net["all_gather_fwd"], net["all_gather_bwd"], net["reduce_scatter"]) == (12, 5, 12), net
 
 
+def test_persistent_parameters_are_not_gathered_again_in_backward(ranks, tmp_path):
+    # stage3_param_persistence_threshold 2048: the last weight (32 x 64) and every bias stay
+    # gathered under DeepSpeed; backward then regathers only the weights of layers 2..5
+    cfg = z3()
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 2048
+    results = ranks.run(bucketed_training_scenario, str(tmp_path), cfg, {"bucket_size": 1})
+    net = results[0]["summary"]["graphs"][-1]["engines"]["net"]
+    assert (net["all_gather_fwd"], net["all_gather_bwd"], net["reduce_scatter"]) == (12, 4, 12), net
+
+
 def test_bad_bucket_config_names_the_engine(ranks):
     results = ranks.run_each(bucketed_training_scenario, "/nonexistent", z3(max_live=1), {})
     for status, value in results:

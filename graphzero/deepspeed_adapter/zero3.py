@@ -16,7 +16,9 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
   checkpoint code read.
 
 Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
-in the graph like the others; DeepSpeed's own copy stays as it manages it.
+in the forward graph like the others, but their gathered value is saved for backward rather than
+gathered again (``FlatGroup.persistent``, read by the release pass); DeepSpeed's own copy stays as it
+manages it.
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ class Zero3Binding(DeepSpeedBinding):
             groups.append(FlatGroup(
                 params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
                 offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes,
-                full_numels=tuple(int(p.ds_numel) for p in params)))
+                full_numels=tuple(int(p.ds_numel) for p in params),
+                persistent=tuple(bool(getattr(p, "ds_persist", False)) for p in params)))
         return groups, opt.gradient_accumulation_dtype
 
     def _build_param_set(self):
