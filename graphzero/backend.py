@@ -148,7 +148,7 @@ class BackwardTransform:
 
     def wrap_forward(self, compiled):
         """ZeRO-3: the ranks agree on the forward's gathers before running it."""
-        plan = self.forward_ctx.gather_plan if self.forward_ctx is not None else []
+        plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
             return compiled
         groups = list({ps.group_name: ps.process_group for ps in self.ownership.param_sets

@@ -23,7 +23,7 @@ by two buckets (the one in use and the one in flight), plus the unpacking copy o
 Records per engine ``all_gather_{fwd,bwd}`` (collectives), ``all_gather_bytes_{fwd,bwd}``,
 ``gather_buckets_{fwd,bwd}`` and the graph's ``gathered_peak_bytes_{fwd,bwd}`` (computed from graph
 order: a bucket lives from its collective to the last use of any member); and the bucket plan in
-``ctx.gather_plan`` (compared across ranks before the graph runs, rank_agreement.py).
+``ctx.zero3_plan`` (compared across ranks before the graph runs, rank_agreement.py).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def _bucket(gm: fx.GraphModule, ctx: PassContext, side: str) -> fx.GraphModule:
             coll = wait.args[0]
         previous_wait[first.engine] = wait
         collectives.append((coll, bucket))
-        ctx.gather_plan.append((side, first.engine, coll.args[2], coll.args[1],
+        ctx.zero3_plan.append((side, first.engine, coll.args[2], coll.args[1],
                                 tuple((m.param, m.shard_numel) for m in bucket)))
     gm.graph.lint()
     gm.recompile()

@@ -15,7 +15,7 @@ and erases the per-parameter reduce-scatters. The wait sits just before the next
 collective (or the output): one bucket in flight while backward computes the next, and the full-size
 gradients of at most two buckets alive. The graph, hence the order of collectives, is the same on
 every rank. Records ``gradient_buckets`` and ``reduce_scatter`` (collectives) per engine and the
-plan in ``ctx.gather_plan`` (compared across ranks, rank_agreement.py).
+plan in ``ctx.zero3_plan`` (compared across ranks, rank_agreement.py).
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         previous_tail = tail
         ctx.count(ps, "gradient_buckets")
         ctx.count(ps, "reduce_scatter")
-        ctx.gather_plan.append(("grad", ps.name, rs.args[3], rs.args[2],
+        ctx.zero3_plan.append(("grad", ps.name, rs.args[3], rs.args[2],
                                 tuple((o.qualname, w.meta["val"].numel()) for _, w, o in bucket)))
     gm.graph.lint()
     gm.recompile()
