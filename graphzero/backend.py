@@ -146,6 +146,16 @@ class BackwardTransform:
             gm = run_pipeline(gm, self.forward_ctx, after_pass=self.dump.forward_stage, pipeline=FORWARD_PIPELINE)
         return gm
 
+    def wrap_forward(self, compiled):
+        """ZeRO-3: the ranks agree on the forward's gathers before running it."""
+        plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
+        if not plan:
+            return compiled
+        groups = list({ps.group_name: ps.process_group for ps in self.ownership.param_sets
+                       if any(p[2] == ps.group_name for p in plan)}.items())
+        what = f"graph {self.graph_id} forward (engines {sorted({p[1] for p in plan})})"
+        return rank_agreement.ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
+
     def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
         ctx = self._context(example_inputs)
         self.dump.backward_stage("input", gm)
@@ -232,13 +242,15 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):
-            return compile_fx_inner(t.forward(graph), inputs, **kwargs)
+            return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
         graph, ctx = t.transform(graph, inputs)
         inputs = list(inputs) + t.runtime_example_inputs(graph, ctx)
         patches = {}
-        if t.opts.overlap and ctx.runtime_inputs:
+        if t.opts.overlap and ctx.runtime_inputs and not t.gathers:
             # Inductor would otherwise fuse the accumulation into unrelated earlier kernels and
-            # wait on the collective right after issuing it.
+            # wait on the collective right after issuing it. Not with ZeRO-3 gathers: their passes
+            # place every wait, and sinking the reduce-scatters' waits to the end would keep every
+            # full-size gradient alive until then.
             patches = {"reorder_for_compute_comm_overlap": True,
                        "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
         with torch._inductor.config.patch(patches):
@@ -267,7 +279,7 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
     from torch._dynamo.backends.common import aot_autograd
 
     def fw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
-        return make_boxed_func(t.forward(graph).forward)
+        return t.wrap_forward(make_boxed_func(t.forward(graph).forward))
 
     def bw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
         graph, ctx = t.transform(graph, inputs)

@@ -35,6 +35,9 @@ class FlatGroup:
     presharded: bool = False
     shard_sizes: tuple[int, ...] = ()   # presharded: elements of each parameter's shard
     full_numels: tuple[int, ...] = ()   # presharded: elements of each parameter, whole
+    # presharded: parameters the engine keeps gathered (ZeRO-3 persistence threshold): their gathered
+    # value is saved for backward instead of gathered again
+    persistent: tuple[bool, ...] = ()
 
     def shard_numel(self, world_size: int) -> int:
         return self.numel // world_size if self.sharded else self.numel
@@ -80,6 +83,8 @@ class ParamSet:
     # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
     # {id(shard): (group, position)}; read when a graph is compiled (shards may be re-created)
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
+    # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
+    gather_bucket_numel: int | None = None
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:

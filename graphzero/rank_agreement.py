@@ -83,3 +83,26 @@ def _is_collective_failure(err: BaseException) -> bool:
         return True
     text = str(err).lower()
     return any(marker in text for marker in _MARKERS)
+
+
+class ForwardWithAgreement:
+    """A compiled forward that gathers ZeRO-3 parameters: the ranks compare the gather plan before
+    it runs, as BackwardWithRuntimeInputs does for the reduction plan, so a rank that reached a
+    different graph raises RankDisagreementError instead of meeting its peers in mismatched
+    all-gathers (a hang, or a silent mix of parameters)."""
+
+    def __init__(self, compiled, plan: list[tuple], groups: list[tuple[str, object]], what: str,
+                 timeout_s: float | None) -> None:
+        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
+        self._boxed_call = True
+        self.compiled = compiled
+        self.fingerprint = fingerprint(plan)
+        self.groups = groups
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def __call__(self, args: list) -> object:
+        for _, group in self.groups:
+            agree(self.fingerprint, group, self.what, self.timeout_s)
+        with collective_failures(self.what):
+            return self.compiled(args)

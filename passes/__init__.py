@@ -15,6 +15,8 @@ from torch import fx
 from ._graph import Bucket, GradOutput, PassContext
 from .annotate_owner import annotate_owner
 from .bucket import bucket
+from .bucket_gathers import bucket_gathers_backward, bucket_gathers_forward
+from .bucket_shard_grads import bucket_shard_grads
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
 from .reduce_scatter import insert_reduce_scatter
@@ -29,14 +31,17 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
-# schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph).
-FORWARD_PIPELINE: tuple[Pass, ...] = (schedule_gathers_forward,)
+# schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph);
+# bucket_gathers_forward needs the waits at first use, in first-use order (schedule_gathers).
+FORWARD_PIPELINE: tuple[Pass, ...] = (schedule_gathers_forward, bucket_gathers_forward)
+# ZeRO-3 backward: the recomputed gathers are scheduled and bucketed like the forward ones, then the
+# shard gradients' reduce-scatters are bucketed, all before annotate_owner reads the outputs.
+ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, bucket_shard_grads)
 
 
 def backward_pipeline(gathers: bool) -> tuple[Pass, ...]:
-    """The backward passes; with ZeRO-3 gathers, schedule_gathers_backward first (it moves the
-    gathers the partitioner recomputed before anything is inserted)."""
-    return ((schedule_gathers_backward,) if gathers else ()) + PIPELINE
+    """The backward passes; with ZeRO-3 gathers, ZERO3_BACKWARD first."""
+    return (ZERO3_BACKWARD if gathers else ()) + PIPELINE
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
@@ -54,12 +59,16 @@ __all__ = [
     "FORWARD_PIPELINE",
     "JOINT_PIPELINE",
     "PIPELINE",
+    "ZERO3_BACKWARD",
     "Bucket",
     "GradOutput",
     "PassContext",
     "annotate_owner",
     "backward_pipeline",
     "bucket",
+    "bucket_gathers_backward",
+    "bucket_gathers_forward",
+    "bucket_shard_grads",
     "fp32_accumulate",
     "insert_reduce_scatter",
     "release",

@@ -60,13 +60,17 @@ class PassContext:
     runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
     # per ParamSet (by identity: two engines may share a name): counters the dump reports
     stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
+    # ZeRO-3 collectives in graph order, one entry per parameter all-gather ("fwd"/"bwd") or shard
+    # gradient reduce-scatter ("grad"): (side, engine, group, world, ((param, shard numel), ...));
+    # nothing rank-specific
+    zero3_plan: list[tuple] = dataclasses.field(default_factory=list)
 
     @property
     def collective_plan(self) -> list[tuple]:
         """What this graph reduces, in order, with nothing rank-specific: ranks compare it before
         reducing (rank_agreement.py)."""
         return [(b.param_set.name, b.group, b.lo, b.hi, str(b.param_set.comm_dtype), self.collective)
-                for b in self.buckets]
+                for b in self.buckets] + list(self.zero3_plan)
 
     def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
         self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount

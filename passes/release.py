@@ -5,7 +5,9 @@ Runs on AOT autograd's JOINT graph, before the partitioner splits it. For every
 shard), it tags the gather, its ``wait_tensor`` and every view derived from the gathered tensor
 with ``meta["recompute"] = MUST_RECOMPUTE``: the min-cut partitioner then saves the (small) shard
 instead of the full parameter and recomputes the gather in the backward graph (collectives are
-otherwise always saved). Each tagged node also gets ``meta["graphzero"]``, which the partitioner
+otherwise always saved). Parameters the engine keeps gathered (``FlatGroup.persistent``: below
+``stage3_param_persistence_threshold``) are not tagged for recomputation: their gathered value is
+saved, and backward does not gather them again. Each tagged node also gets ``meta["graphzero"]``, which the partitioner
 copies into both graphs, so later passes find the gathers on either side. Inserts nothing.
 """
 from __future__ import annotations
@@ -49,8 +51,12 @@ def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if user.target is c10d.wait_tensor.default or _is_view(user):
                 chain.append(user)
                 frontier.extend(user.users)
+        group = ps.groups[owned.group]
+        # A persistent (small) parameter is saved for backward, as DeepSpeed keeps it gathered.
+        persistent = bool(group.persistent) and group.persistent[owned.position]
         for n in chain:
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            if not persistent:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "param": owned.qualname,
                                    "why": f"gather of {owned.qualname}: recomputed in backward, not saved"}
         ctx.count(ps, "gathered_params")

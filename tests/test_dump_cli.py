@@ -94,7 +94,8 @@ G1_DISC_STATS = {**DISC_STATS, "params": 1, "numel": 32, "fp32_accumulate": 0, "
                  "comm_bytes_by_dtype": {"float32": 128}}
 # Totals of g0: gen + disc
 G0_TOTALS = {"params": 6, "numel": 1378, "buckets": 2, "reduce_scatter": 1, "all_reduce": 1, "all_gather": 0,
-             "fp32_accumulate": 6, "comm_bytes_per_step": 5512}
+             "fp32_accumulate": 6, "comm_bytes_per_step": 5512, "all_gather_fwd": 0, "all_gather_bytes_fwd": 0,
+             "all_gather_bwd": 0, "all_gather_bytes_bwd": 0}
 
 
 G0_ARGS = "self, primals_1, primals_7, primals_8, permute_2, relu, tangents_1"
@@ -237,10 +238,36 @@ def test_table_rows_and_totals(dump: Path) -> None:
     assert "graph g1  inner: eager  graph breaks: 1" in out
     header = table_row(out, "engine")
     assert header == ["engine", "stage", "params", "numel", "buckets", "reduce_scatter", "all_reduce",
-                      "all_gather", "fp32_accumulate", "bytes/step"]
-    assert table_row(out, "gen") == ["gen", "1", "2", "144", "1", "0", "1", "0", "2", "576 B"]
-    assert table_row(out, "disc") == ["disc", "2", "4", "1234", "1", "1", "0", "0", "4", "4.8 KiB (4936)"]
-    assert table_row(out, "total") == ["total", "", "6", "1378", "2", "1", "1", "0", "6", "5.4 KiB (5512)"]
+                      "gathers fwd", "gather bytes fwd", "gathers bwd", "gather bytes bwd", "fp32_accumulate",
+                      "bytes/step"]
+    no_gathers = ["0", "0 B", "0", "0 B"]
+    assert table_row(out, "gen") == ["gen", "1", "2", "144", "1", "0", "1", *no_gathers, "2", "576 B"]
+    assert table_row(out, "disc") == ["disc", "2", "4", "1234", "1", "1", "0", *no_gathers, "4", "4.8 KiB (4936)"]
+    assert table_row(out, "total") == ["total", "", "6", "1378", "2", "1", "1", *no_gathers, "6", "5.4 KiB (5512)"]
+    assert "gathered peak" not in out   # no ZeRO-3 engine
+
+
+def test_table_zero3_gather_columns_and_peak(tmp_path: Path) -> None:
+    """ZeRO-3 engines: gathers and their bytes per step, forward and backward, next to the
+    reduce-scatters; the graph's gathered peak in its header (and in --json)."""
+    root = tmp_path / "d"
+    root.mkdir()
+    z3 = {"stage": 3, "params": 12, "numel": 20832, "reduce_scatter": 3, "all_gather": 6,
+          "all_gather_fwd": 3, "all_gather_bytes_fwd": 83328, "all_gather_bwd": 3, "all_gather_bytes_bwd": 57344,
+          "gathered_peak_bytes_fwd": 33280, "gathered_peak_bytes_bwd": 32768, "fp32_accumulate": 12}
+    z1 = {"stage": 1, "params": 2, "numel": 144, "all_reduce": 1, "fp32_accumulate": 2, "comm_bytes_per_step": 576}
+    summary = {"graphs": [{"id": "g0", "engines": {"net": z3, "head": z1}}]}
+    (root / "summary.json").write_text(json.dumps(summary))
+    out = ok(root)
+    assert "gathered peak: fwd 32.5 KiB (33280), bwd 32.0 KiB (32768)" in out
+    assert table_row(out, "net")[5:11] == ["3", "0", "3", "81.4 KiB (83328)", "3", "56.0 KiB (57344)"]
+    assert table_row(out, "head")[5:11] == ["0", "1", "0", "0 B", "0", "0 B"]
+    assert table_row(out, "total")[7:11] == ["3", "81.4 KiB (83328)", "3", "56.0 KiB (57344)"]
+    g0 = json.loads(ok(root, "--json"))["graphs"][0]
+    net = next(e for e in g0["engines"] if e["engine"] == "net")
+    assert {k: net[k] for k in z3} == z3
+    assert (g0["gathered_peak_bytes_fwd"], g0["gathered_peak_bytes_bwd"]) == (33280, 32768)
+    assert g0["totals"]["all_gather_bytes_fwd"] == 83328
 
 
 def test_table_graph_filter(dump: Path) -> None:
@@ -564,12 +591,13 @@ def test_html_report(dump: Path, tmp_path: Path) -> None:
     assert "<title>graphzero dump report</title>" in text
     # engine table rows of g0 (engine names are labels), with the totals row
     num = '<td class="num">{}</td>'.format
-    assert ('<tr><td><span class="chip e0">gen</span></td>' + "".join(map(num, [1, 2, 144, 1, 0, 1, 0, 2]))
-            + "<td>576 B</td></tr>") in text
-    assert ('<tr><td><span class="chip e1">disc</span></td>' + "".join(map(num, [2, 4, 1234, 1, 1, 0, 0, 4]))
-            + "<td>4.8 KiB (4936)</td></tr>") in text
-    assert ("<tr><td>total</td><td></td>" + "".join(map(num, [6, 1378, 2, 1, 1, 0, 6]))
-            + "<td>5.4 KiB (5512)</td></tr>") in text
+    gathers = num(0) + "<td>0 B</td>" + num(0) + "<td>0 B</td>"   # no ZeRO-3 engine
+    assert ('<tr><td><span class="chip e0">gen</span></td>' + "".join(map(num, [1, 2, 144, 1, 0, 1])) + gathers
+            + num(2) + "<td>576 B</td></tr>") in text
+    assert ('<tr><td><span class="chip e1">disc</span></td>' + "".join(map(num, [2, 4, 1234, 1, 1, 0])) + gathers
+            + num(4) + "<td>4.8 KiB (4936)</td></tr>") in text
+    assert ("<tr><td>total</td><td></td>" + "".join(map(num, [6, 1378, 2, 1, 1])) + gathers
+            + num(6) + "<td>5.4 KiB (5512)</td></tr>") in text
     # diffs: added/removed lines coloured; final code: inserted nodes highlighted with their engine
     assert '<span class="l add">+    reduce_scatter_tensor = ' in text
     assert '<span class="l del">-    view_2 = ' in text

@@ -256,16 +256,17 @@ def test_checkpoint_save_load_continue(ranks, tmp_path):
 
 
 def gather_release_scenario(path: str) -> dict:
-    """A 6-layer MLP at ZeRO-3: every parameter is gathered once in forward, only the weights whose
-    input gradient backward needs are gathered again there (nothing full-size is saved for
-    backward), and the gathered bytes alive at once stay well below the whole model."""
+    """A 6-layer MLP at ZeRO-3 with one parameter per bucket (``bucket_size=1``): every parameter is
+    gathered once in forward, only the weights whose input gradient backward needs are gathered
+    again there (nothing full-size is saved for backward), and the gathered bytes alive at once stay
+    well below the whole model. Bucketing itself: test_zero3_buckets.py."""
     from scenario_utils import compiled_graph_count
     rank, _ = rank_world()
     torch.manual_seed(0)
     eng = engine(mlp(32, 64, 32, depth=6), z3_config(3))
     graphzero.attach(net=eng)
     loss = torch.compile(lambda m, x: m["net"](x).square().mean(), backend="graphzero",
-                         options={"engines": {"net": eng}, "dump_dir": path})
+                         options={"engines": {"net": eng}, "dump_dir": path, "bucket_size": 1})
     (x,) = data(0, rank, (4, 32))
     loss({"net": eng}, x).backward()
     assert_released(eng)
@@ -283,7 +284,8 @@ def test_gathers_released_and_regathered_in_backward(ranks, tmp_path):
     net = graph["engines"]["net"]
     assert net["all_gather_fwd"] == 12, net          # 6 weights + 6 biases
     assert net["all_gather_bwd"] == 5, net           # the weights of layers 2..6 (input gradients)
-    assert net["reduce_scatter"] == 0 and net["buckets"] == 0, net   # the gathers' backward reduces
+    # one reduce-scatter per shard gradient (the gathers' backward), no ZeRO-1/2 bucket
+    assert net["reduce_scatter"] == 12 and net["buckets"] == 0, net
     model_bytes = results[0]["model_bytes"]
     assert net["numel"] * 4 == model_bytes, net
     # one gather ahead of the layer computing: at most two weights (and biases) alive at once

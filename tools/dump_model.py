@@ -22,6 +22,10 @@ PROG = "graphzero-dump"
 SUPPORTED_FORMAT = 1
 INPUT_FILE = "backward/000_input.py"
 COUNT_FIELDS = ("params", "numel", "buckets", "reduce_scatter", "all_reduce", "all_gather", "fp32_accumulate")
+# ZeRO-3 parameter gathers per step, forward and backward graph: collectives and their output bytes
+GATHER_FIELDS = ("all_gather_fwd", "all_gather_bytes_fwd", "all_gather_bwd", "all_gather_bytes_bwd")
+# the most bytes of gathered parameters alive at once in the forward / backward graph (per graph)
+PEAK_FIELDS = ("gathered_peak_bytes_fwd", "gathered_peak_bytes_bwd")
 RANK_DIR = re.compile(r"rank(\d+)")
 
 
@@ -141,7 +145,7 @@ def parse_engines(raw: Any, where: str) -> tuple[EngineStats, ...]:
             EngineStats(
                 name=str(name),
                 stage=_field(stats, "stage", int, here, None),
-                counts={key: _field(stats, key, int, here, 0) for key in COUNT_FIELDS},
+                counts={key: _field(stats, key, int, here, 0) for key in COUNT_FIELDS + GATHER_FIELDS + PEAK_FIELDS},
                 comm_bytes_per_step=_field(stats, "comm_bytes_per_step", int, here, 0),
                 comm_bytes_by_dtype={str(k): _field(by_dtype, k, int, here) for k in by_dtype},
             )

@@ -16,6 +16,8 @@ from tabulate import tabulate
 
 from .dump_model import (
     COUNT_FIELDS,
+    GATHER_FIELDS,
+    PEAK_FIELDS,
     Dump,
     GraphInfo,
     PassInfo,
@@ -26,7 +28,11 @@ from .dump_model import (
 )
 from .units import human_bytes
 
-TABLE_HEADERS = ("engine", "stage", *COUNT_FIELDS, "bytes/step")
+# the reduce-scatters, then the ZeRO-3 gathers per step (forward, backward), then the rest
+_COUNTS_BEFORE_GATHERS = ("params", "numel", "buckets", "reduce_scatter", "all_reduce")
+_COUNTS_AFTER_GATHERS = ("fp32_accumulate",)
+GATHER_HEADERS = ("gathers fwd", "gather bytes fwd", "gathers bwd", "gather bytes bwd")
+TABLE_HEADERS = ("engine", "stage", *_COUNTS_BEFORE_GATHERS, *GATHER_HEADERS, *_COUNTS_AFTER_GATHERS, "bytes/step")
 # `name = ...` or `name: "f32[4]" = ...` (GraphModule.print_readable) at the start of a code line.
 NODE_DEFINITION = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)")
 
@@ -74,20 +80,29 @@ def bytes_cell(n: int) -> str:
 
 
 def totals(graph: GraphInfo) -> dict[str, int]:
-    """Sums of the count columns and of comm_bytes_per_step over the engines of `graph`."""
-    sums = {key: sum(e.counts[key] for e in graph.engines) for key in COUNT_FIELDS}
+    """Sums of the count and gather columns and of comm_bytes_per_step over the engines of `graph`."""
+    sums = {key: sum(e.counts[key] for e in graph.engines) for key in COUNT_FIELDS + GATHER_FIELDS}
     sums["comm_bytes_per_step"] = sum(e.comm_bytes_per_step for e in graph.engines)
     return sums
 
 
+def gathered_peaks(graph: GraphInfo) -> dict[str, int]:
+    """The graph's peak bytes of gathered parameters, forward and backward (one value per graph)."""
+    return {key: max((e.counts[key] for e in graph.engines), default=0) for key in PEAK_FIELDS}
+
+
+def _row(name: str, stage: int | None, counts: Mapping[str, int], comm_bytes: int) -> list[Any]:
+    fwd, fwd_bytes, bwd, bwd_bytes = (counts[k] for k in GATHER_FIELDS)
+    return [name, stage, *(counts[k] for k in _COUNTS_BEFORE_GATHERS),
+            fwd, bytes_cell(fwd_bytes), bwd, bytes_cell(bwd_bytes),
+            *(counts[k] for k in _COUNTS_AFTER_GATHERS), bytes_cell(comm_bytes)]
+
+
 def table_rows(graph: GraphInfo) -> list[list[Any]]:
     """One row per engine plus a totals row, in TABLE_HEADERS order (stage None = blank)."""
-    rows: list[list[Any]] = [
-        [e.name, e.stage, *(e.counts[k] for k in COUNT_FIELDS), bytes_cell(e.comm_bytes_per_step)]
-        for e in graph.engines
-    ]
+    rows = [_row(e.name, e.stage, e.counts, e.comm_bytes_per_step) for e in graph.engines]
     sums = totals(graph)
-    rows.append(["total", None, *(sums[k] for k in COUNT_FIELDS), bytes_cell(sums["comm_bytes_per_step"])])
+    rows.append(_row("total", None, sums, sums["comm_bytes_per_step"]))
     return rows
 
 
@@ -97,7 +112,12 @@ def or_unknown(value: Any) -> str:
 
 
 def graph_header(graph: GraphInfo) -> str:
-    return f"graph {graph.id}  inner: {graph.inner}  graph breaks: {or_unknown(graph.graph_breaks)}"
+    text = f"graph {graph.id}  inner: {graph.inner}  graph breaks: {or_unknown(graph.graph_breaks)}"
+    peaks = gathered_peaks(graph)
+    if any(peaks.values()):
+        text += (f"  gathered peak: fwd {bytes_cell(peaks['gathered_peak_bytes_fwd'])}, "
+                 f"bwd {bytes_cell(peaks['gathered_peak_bytes_bwd'])}")
+    return text
 
 
 def dump_header(dump: Dump) -> str:
@@ -136,6 +156,7 @@ def dump_json(dump: Dump, graph_id: str | None) -> dict[str, Any]:
                 "graph_breaks": g.graph_breaks,
                 "engines": [e.as_json() for e in g.engines],
                 "totals": totals(g),
+                **gathered_peaks(g),
             }
             for g in graphs_of(dump, graph_id)
         ],

@@ -16,7 +16,9 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
   checkpoint code read.
 
 Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
-in the graph like the others; DeepSpeed's own copy stays as it manages it.
+in the forward graph like the others, but their gathered value is saved for backward rather than
+gathered again (``FlatGroup.persistent``, read by the release pass); DeepSpeed's own copy stays as it
+manages it.
 """
 from __future__ import annotations
 
@@ -97,13 +99,26 @@ class Zero3Binding(DeepSpeedBinding):
             groups.append(FlatGroup(
                 params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
                 offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes,
-                full_numels=tuple(int(p.ds_numel) for p in params)))
+                full_numels=tuple(int(p.ds_numel) for p in params),
+                persistent=tuple(bool(getattr(p, "ds_persist", False)) for p in params)))
         return groups, opt.gradient_accumulation_dtype
 
     def _build_param_set(self):
         ps = super()._build_param_set()
         ps.shard_inputs = self.shard_inputs
+        ps.gather_bucket_numel = self._gather_bucket_numel()
         return ps
+
+    def _gather_bucket_numel(self) -> int:
+        """stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live (one
+        in use, one in flight) stay within stage3_max_live_parameters."""
+        prefetch = int(self.engine.zero_prefetch_bucket_size())
+        max_live = int(self.engine.zero_max_live_parameters())
+        if prefetch <= 0 or max_live <= 1:
+            raise UnsupportedConfigError(
+                f"engine {self.name!r}: zero_optimization.stage3_prefetch_bucket_size={prefetch} and "
+                f"stage3_max_live_parameters={max_live} leave no room for a parameter gather; set both positive")
+        return min(prefetch, max_live // 2)
 
     def shard_inputs(self) -> dict[int, tuple[int, int]]:
         return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
