@@ -12,17 +12,19 @@ waits first:
   parameters: eager calls (evaluation, generation, ``engine(x)``), and graphs compiled by any
   backend, which trace the hook (graphzero's pass folds those waits into its own);
 - ``state_dict`` / ``load_state_dict`` of those modules, ``engine.save_checkpoint``,
-  ``load_checkpoint``, ``module_state_dict``, ``graphzero.detach``, and the next step.
+  ``load_checkpoint``, ``module_state_dict``, ``graphzero.detach``, and the next step;
+- ``parameters()`` / ``named_parameters()`` of the engine and of its module (an EMA over
+  ``model.parameters()``, norm logging, copies): both go through ``named_parameters``, which is
+  overridden on those two instances by a bound method (Dynamo reads ``named_parameters.__func__``).
 
-Not covered: a parameter tensor read directly, outside a module call, between ``step()`` and the
-next forward (e.g. an EMA over ``model.parameters()``): call ``graphzero.wait_params(engine)``
-first, or set ``defer_param_gather=False``. (Overriding ``parameters()`` / ``named_parameters()``
-on the module would cover that, but Dynamo refuses modules whose ``named_parameters`` is not
-``nn.Module``'s.)
+Not covered: a parameter tensor obtained before ``step()`` (or from a submodule's own
+``parameters()``) and read directly, outside a module call, before the next forward: call
+``graphzero.wait_params(engine)`` first, or set ``defer_param_gather=False``.
 """
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -65,6 +67,10 @@ class ParamSync:
                 continue
             setattr(self.engine, name, self._waiting(getattr(self.engine, name)))
             self._patched.append((self.engine, name))
+        for obj in (self.engine, self.engine.module):
+            if "named_parameters" not in obj.__dict__:
+                obj.named_parameters = types.MethodType(self._waiting_named_parameters(type(obj).named_parameters), obj)
+                self._patched.append((obj, "named_parameters"))
 
     def uninstall(self) -> None:
         self.wait()
@@ -78,6 +84,14 @@ class ParamSync:
     def _wait_eager(self, *_args, **_kwargs) -> None:
         if not torch.compiler.is_compiling():
             self.wait()
+
+    def _waiting_named_parameters(self, unbound):
+        @functools.wraps(unbound)
+        def named_parameters(module, *args, **kwargs):
+            if not torch.compiler.is_compiling():   # a graph waits by itself (wait_params pass, hooks)
+                self.wait()
+            return unbound(module, *args, **kwargs)
+        return named_parameters
 
     def _waiting(self, method):
         @functools.wraps(method)
