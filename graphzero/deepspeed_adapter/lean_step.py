@@ -211,7 +211,10 @@ class LeanStep:
             if self.world[i] == 1:
                 continue
             shard = opt.parallel_partitioned_bit16_groups[i][self.rank[i]]
-            if self.deferred is None:
+            if self.deferred is None or torch._C._autograd._profiler_enabled():
+                # Under torch.profiler a gloo collective launched inside a profiling session and
+                # finished after it stops crashes the process (torch 2.13, reproduced with a
+                # plain async all-gather and work.wait()): no deferral while profiling.
                 _all_gather_into(flat, shard, group=opt.real_dp_process_group[i])
                 continue
             with allow_inflight_collective_as_graph_input_ctx():
