@@ -37,7 +37,7 @@ from .options import Options
 __all__ = ["AccelerateError", "AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError",
            "OptionError", "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
            "VersionError",
-           "WorldMismatchError", "attach", "detach", "graphzero_backend"]
+           "WorldMismatchError", "attach", "detach", "graphzero_backend", "wait_params"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 
@@ -51,6 +51,16 @@ def attach(*engines: Any, **named_engines: Any) -> None:
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
     deepspeed_adapter.attach(pairs)
     early_attach.install()
+
+
+def wait_params(*engines: Any) -> None:
+    """Wait until these engines' parameters are current (a deferred all-gather from the last
+    ``step()`` is complete). Module calls, ``state_dict``, checkpoints, ``parameters()`` and the
+    next step wait by themselves; this is for a parameter tensor kept from before ``step()``."""
+    for engine in engines:
+        binding = deepspeed_adapter.binding_of(engine)
+        if binding is not None:
+            binding.wait_params()
 
 
 def detach(*engines: Any) -> None:

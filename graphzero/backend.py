@@ -45,12 +45,12 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
             log.warning("graphzero attached engine(s) %s only after Dynamo traced part of the step; "
                         "call graphzero.attach(...) before the first call to rule out a first step "
                         "traced through DeepSpeed's hooks", [n for n, e in opts.engines if e in new])
-            bindings = deepspeed_adapter.attach(opts.engines)
+            bindings = deepspeed_adapter.attach(opts.engines, **opts.step_settings)
             retrace.request(b.param_set for b in bindings if b.engine in new)
             _forget_speculation()
             raise RetraceAfterAttach(restart_reason="graphzero attached its engines; re-tracing without "
                                                     "DeepSpeed's forward hooks")
-        bindings = deepspeed_adapter.attach(opts.engines)
+        bindings = deepspeed_adapter.attach(opts.engines, **opts.step_settings)
     else:
         bindings = []
     # Engines attached earlier (by another graph's options or graphzero.attach) whose parameters
@@ -142,6 +142,9 @@ class BackwardTransform:
 
     def forward(self, gm: fx.GraphModule) -> fx.GraphModule:
         self.dump.forward(gm)
+        if self.forward_ctx is None and any(not o.shard for o in self.ownership.inputs.values()):
+            # ZeRO-1/2 parameters: the wait_params pass (a deferred all-gather)
+            self.forward_ctx = self._context([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
         if self.forward_ctx is not None:
             gm = run_pipeline(gm, self.forward_ctx, after_pass=self.dump.forward_stage, pipeline=FORWARD_PIPELINE)
         return gm

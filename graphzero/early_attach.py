@@ -38,7 +38,8 @@ def _on_compile_start(_args: Any) -> None:
     from .options import Options
     # A GraphZeroError here (bad option, not an engine, unsupported config) reaches the caller of
     # the compiled step as it is, before anything is traced: Dynamo re-raises it on every rank.
-    deepspeed_adapter.attach(Options.parse(options).engines)
+    opts = Options.parse(options)
+    deepspeed_adapter.attach(opts.engines, **opts.step_settings)
 
 
 def _options_of_compile_in_progress() -> dict | None:

@@ -29,6 +29,13 @@ class Options:
     fault_timeout_s: how long a rank waits for its peers at the start of each backward before
         raising RankFaultError (a peer that raised, or whose compile failed); None: the process
         group's own timeout.
+    lean_step: ZeRO-1/2 engines' ``optimizer.step()`` runs graphzero's lean step (one norm
+        all-reduce, clip, fused Adam, copy, all-gather; deepspeed_adapter/lean_step.py) where the
+        config allows, DeepSpeed's own otherwise. None (default): on, or as an earlier
+        compile/attach of the engine set it; False: DeepSpeed's own step.
+    defer_param_gather: the lean step launches the all-gather of the updated parameters without
+        waiting; the next forward (or anything else that reads them) waits for it. None (default):
+        on wherever the lean step runs; needs lean_step.
     """
 
     engines: tuple[tuple[str, Any], ...] = ()
@@ -39,6 +46,13 @@ class Options:
     dump_dir: str | None = None
     dump_ranks: str = "0"
     fault_timeout_s: float | None = None
+    lean_step: bool | None = None
+    defer_param_gather: bool | None = None
+
+    @property
+    def step_settings(self) -> dict[str, bool | None]:
+        """The options that configure the engines' optimizer step (deepspeed_adapter.attach)."""
+        return {"lean_step": self.lean_step, "defer_param_gather": self.defer_param_gather}
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None) -> Options:
@@ -70,9 +84,22 @@ class Options:
         if fault_timeout_s is not None and (isinstance(fault_timeout_s, bool)
                                             or not isinstance(fault_timeout_s, (int, float)) or fault_timeout_s <= 0):
             raise OptionError(f"option 'fault_timeout_s' must be a positive number of seconds, got {fault_timeout_s!r}")
+        lean_step = _optional_bool(options, "lean_step")
+        defer_param_gather = _optional_bool(options, "defer_param_gather")
+        if lean_step is False and defer_param_gather:
+            raise OptionError("option 'defer_param_gather'=True needs option 'lean_step' (the deferred all-gather "
+                              "is part of graphzero's lean optimizer step); got lean_step=False")
         return cls(engines=engines, inner=inner, bucket_size=bucket_size, collective=collective,
                    overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks,
-                   fault_timeout_s=None if fault_timeout_s is None else float(fault_timeout_s))
+                   fault_timeout_s=None if fault_timeout_s is None else float(fault_timeout_s),
+                   lean_step=lean_step, defer_param_gather=defer_param_gather)
+
+
+def _optional_bool(options: Mapping[str, Any], name: str) -> bool | None:
+    value = options.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise OptionError(f"option {name!r} must be True, False or None, got {value!r}")
+    return value
 
 
 def _parse_engines(engines: Any) -> tuple[tuple[str, Any], ...]:

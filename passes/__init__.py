@@ -22,6 +22,7 @@ from .gather import schedule_gathers_backward, schedule_gathers_forward
 from .reduce_scatter import insert_reduce_scatter
 from .release import release
 from .schedule import schedule_overlap
+from .wait_params import wait_params
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -31,9 +32,10 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
+# wait_params: ZeRO-1/2 parameters wait for a deferred all-gather before their first read;
 # schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph);
 # bucket_gathers_forward needs the waits at first use, in first-use order (schedule_gathers).
-FORWARD_PIPELINE: tuple[Pass, ...] = (schedule_gathers_forward, bucket_gathers_forward)
+FORWARD_PIPELINE: tuple[Pass, ...] = (wait_params, schedule_gathers_forward, bucket_gathers_forward)
 # ZeRO-3 backward: the recomputed gathers are scheduled and bucketed like the forward ones, then the
 # shard gradients' reduce-scatters are bucketed, all before annotate_owner reads the outputs.
 ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, bucket_shard_grads)
@@ -76,4 +78,5 @@ __all__ = [
     "schedule_gathers_backward",
     "schedule_gathers_forward",
     "schedule_overlap",
+    "wait_params",
 ]

@@ -20,8 +20,12 @@ def _deepspeed_engine_class() -> type:
     return DeepSpeedEngine
 
 
-def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
-    """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any."""
+def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = None,
+           defer_param_gather: bool | None = None) -> list[DeepSpeedBinding]:
+    """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any.
+
+    ``lean_step`` / ``defer_param_gather``: the options of that name (None keeps each engine's
+    current setting; on by default)."""
     engine_cls = _deepspeed_engine_class()
     bindings = []
     for name, engine in engines:
@@ -50,6 +54,7 @@ def attach(engines: Sequence[tuple[str, object]]) -> list[DeepSpeedBinding]:
         if binding_of(binding.engine) is None:
             binding.install()
         binding.name = binding.param_set.name = name
+        binding.configure_step(lean_step, defer_param_gather)
     return bindings
 
 

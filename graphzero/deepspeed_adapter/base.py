@@ -96,6 +96,16 @@ class DeepSpeedBinding:
         """Re-install the optimizer's own gradient hooks (detach)."""
         raise NotImplementedError
 
+    def wait_params(self) -> None:
+        """Wait for a deferred all-gather of this engine's parameters (only ZeRO-1/2 defers one)."""
+
+    def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
+        """Options ``lean_step`` / ``defer_param_gather`` (None: keep): only ZeRO-1/2 has a lean step."""
+
+    @property
+    def installed(self) -> bool:
+        return binding_of(self.engine) is self
+
     def _build_param_set(self) -> ParamSet:
         engine = self.engine
         names = {id(p): n for n, p in engine.module.named_parameters()}

@@ -4,22 +4,78 @@ Layout: per param group, the flat order ``round_robin_bit16_groups[i]`` at
 ``round_robin_bit16_offsets[i]`` of a padded buffer of ``bit16_groups_flat[i].numel()`` elements,
 split into one contiguous partition per data-parallel rank. ``step()`` reads this rank's
 partition from ``averaged_gradients[i]``.
+
+While attached, ``optimizer.step`` is graphzero's lean step (lean_step.py) where the config
+allows (option ``lean_step``); otherwise DeepSpeed's own, with the reason logged once. With
+``defer_param_gather`` the lean step leaves its all-gather in flight; param_sync.py makes every
+reader of the parameters wait for it.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
 from ..ownership import FlatGroup
+from . import lean_step
 from .base import DeepSpeedBinding
+from .param_sync import ParamSync
+
+log = logging.getLogger("graphzero")
 
 
 class ZeroBinding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
         # weak: a group step() consumed must not be kept alive until the next backward
         self._installed_groups: dict[int, weakref.ref] = {}
+        self.want_lean_step = True
+        self.want_defer = True
         super().__init__(engine, name)
+        self.param_sync = ParamSync(engine, [p for g in self.param_set.groups for p in g.params])
+
+    # -- the optimizer step ---------------------------------------------------------------------
+    def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
+        if lean is not None:
+            self.want_lean_step = lean
+        if defer_param_gather is not None:
+            self.want_defer = defer_param_gather
+        if self.installed:
+            self._install_step()
+
+    @property
+    def lean_step(self) -> lean_step.LeanStep | None:
+        """The lean step standing in for ``optimizer.step``, if any."""
+        step = self.engine.optimizer.__dict__.get("step")
+        return step if isinstance(step, lean_step.LeanStep) else None
+
+    def wait_params(self) -> None:
+        self.param_sync.wait()
+
+    def _install_step(self) -> None:
+        opt = self.engine.optimizer
+        if self.lean_step is not None:
+            self.param_sync.wait()
+            del opt.step
+        if not self.want_lean_step:
+            return
+        reason = lean_step.unsupported_reason(self.engine)
+        if reason is not None:
+            log.info("engine %r: DeepSpeed's own optimizer step (graphzero's lean step does not cover %s)",
+                     self.name, reason)
+            return
+        opt.step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None)
+
+    def install(self) -> None:
+        super().install()
+        self.param_sync.install()
+        self._install_step()
+
+    def uninstall(self) -> None:
+        self.param_sync.uninstall()   # waits for a deferred all-gather first
+        if self.lean_step is not None:
+            del self.engine.optimizer.step
+        super().uninstall()
 
     def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
         opt = self.engine.optimizer

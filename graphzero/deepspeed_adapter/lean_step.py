@@ -1,0 +1,237 @@
+"""A lean ``DeepSpeedZeroOptimizer.step()`` (ZeRO-1/2) for the common configs.
+
+DeepSpeed's own ``step()`` (``stage_1_and_2.py``) spends most of its time outside the arithmetic:
+a separate overflow all-reduce, one norm all-reduce per param group, per-tensor Python loops,
+timers, and ``torch.optim.AdamW``'s for-loop path, which on CPU makes about ten passes over the
+fp32 partition. This step does the same arithmetic on each param group's flat fp32 partition:
+
+1. one all-reduce of every group's squared gradient norm (DeepSpeed's formula: each parameter's
+   piece of the partition normed in fp64, padding excluded, summed; inf/NaN masked to -1; groups
+   combined with an L2 norm). An invalid norm is an overflow, as in DeepSpeed's step, which is
+   why the separate overflow all-reduce can go: a non-finite gradient always makes the norm
+   invalid, and for fp32/bf16 (no dynamic loss scale) nothing else reads the flag;
+2. the clip, with DeepSpeed's coefficient ``max(1, (norm + 1e-6) / clip)``, in place;
+3. the update: ``torch.optim.Adam``/``AdamW`` through torch's fused CPU/GPU kernel
+   (``torch._fused_adam_``/``_fused_adamw_``) on the optimizer's own state tensors (``step``,
+   ``exp_avg``, ``exp_avg_sq``), created the way torch creates them; any other supported base
+   optimizer (DeepSpeed's ``FusedAdam``) runs its own ``step()``;
+4. the copy into the bit16 partition and one all-gather of each group's flat bit16 buffer;
+   with ``defer_param_gather`` launched and left in flight (registered with c10d under the
+   buffer's storage, so a ``wait_tensor`` on any parameter waits for it: param_sync.py and the
+   ``wait_params`` pass), otherwise waited for here as DeepSpeed does.
+
+Everything DeepSpeed reads afterwards stays DeepSpeed's: ``_global_grad_norm`` (so
+``engine.get_global_grad_norm()``), ``overflow``, the base optimizer's state and param groups (so
+checkpoints load either way), the LR scheduler and the step counters (``engine.step()`` still does
+that bookkeeping around this call). Numerics: identical norm and clip; the fused Adam kernel
+rounds differently from torch's for-loop path by about 1 ulp per step (1e-7 relative).
+
+Configs this does not cover fall back to DeepSpeed's own ``step()`` (``unsupported_reason``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
+
+log = logging.getLogger("graphzero")
+
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call site) to all_gather_single.
+_all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+# Base optimizers whose update this module runs through torch's fused kernel.
+_TORCH_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _fused_adam_class():
+    try:
+        from deepspeed.ops.adam import FusedAdam
+    except ImportError:   # DeepSpeed builds without its op builders
+        return None
+    return FusedAdam
+
+
+def unsupported_reason(engine) -> str | None:
+    """Why the lean step cannot stand in for this engine's ``optimizer.step()``; None if it can."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    opt = engine.optimizer
+    if type(opt) is not DeepSpeedZeroOptimizer:
+        return f"optimizer wrapper {type(opt).__name__}"
+    checks = (
+        (opt.cpu_offload, "optimizer offload"),
+        (opt.zenflow, "ZenFlow"),
+        (opt.torch_autocast_gradscaler is not None, "torch autocast"),
+        (opt.has_moe_layers, "MoE layers"),
+        (opt.mpu is not None, "model parallelism (mpu)"),
+        (not opt.compute_grad_norm, "zero_optimization.compute_grad_norm=false"),
+        (opt.dtype not in (torch.float32, torch.bfloat16), f"parameter dtype {opt.dtype}"),
+        (opt.custom_loss_scaler or float(opt.loss_scale) != 1.0, "a loss scale other than 1"),
+        (getattr(opt.loss_scaler, "dynamic", False), "dynamic loss scaling"),
+        (any(g.dtype != torch.float32 for g in opt.single_partition_of_fp32_groups), "non-fp32 master weights"),
+        (any(opt._is_muon_group(g) for g in opt.bit16_groups), "Muon"),
+    )
+    for bad, what in checks:
+        if bad:
+            return what
+    base = opt.optimizer
+    fused_adam = _fused_adam_class()
+    if type(base) in _TORCH_ADAMS:
+        for group in base.param_groups:
+            if group.get("differentiable") or group.get("capturable"):
+                return f"{type(base).__name__} with differentiable or capturable"
+    elif fused_adam is None or type(base) is not fused_adam:
+        return f"base optimizer {type(base).__name__} (lean step: torch Adam/AdamW, DeepSpeed FusedAdam)"
+    # The all-gather writes bit16_groups_flat: the parameters must be views of it.
+    for flat, params in zip(opt.bit16_groups_flat, opt.round_robin_bit16_groups):
+        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+        if any(not lo <= p.data_ptr() < hi for p in params if p.numel()):
+            return "parameters that are not views of the flat bit16 buffer"
+    return None
+
+
+class LeanStep:
+    """Stands in for ``optimizer.step`` of one ``DeepSpeedZeroOptimizer`` (instance attribute)."""
+
+    def __init__(self, optimizer, name: str, deferred=None) -> None:
+        self.opt = optimizer
+        self.name = name
+        # a ParamSync: leave the all-gather in flight, wait through it; None: wait here
+        self.deferred = deferred
+        self.torch_adam = type(optimizer.optimizer) in _TORCH_ADAMS
+        self.world = [dist.get_world_size(group=g) for g in optimizer.real_dp_process_group]
+        self.rank = [dist.get_rank(group=g) for g in optimizer.real_dp_process_group]
+        self._warned: set[str] = set()
+
+    def __call__(self, closure=None) -> None:
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+        opt = self.opt
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID
+        if self.deferred is not None:
+            # the last step's gather (if nothing read the parameters since) writes what we update
+            self.deferred.wait()
+        groups = [opt.averaged_gradients.get(i) for i in range(len(opt.bit16_groups))]
+        if any(getattr(g, "flat_partition", None) is None for g in groups):
+            # Not graphzero's flat partitions (the same on every rank: sinks are installed alike).
+            self._fall_back("a gradient group without a flat partition")
+            return type(opt).step(opt, closure)
+        grads = [g.flat_partition.view(-1) for g in groups]
+        norm = self._global_norm(groups)
+        invalid = bool((~torch.isfinite(norm) | (norm < 0)).any())
+        # DeepSpeed: bf16 with check_grad_overflow off steps even on an invalid norm.
+        opt.overflow = invalid and (opt.dtype != torch.bfloat16 or opt.check_grad_overflow)
+        prev_scale = opt.loss_scale
+        opt._update_scale(opt.overflow)
+        if opt.overflow:
+            self._skip()
+            return None
+        opt._global_grad_norm = norm / prev_scale
+        inv_scale = self._inverse_clip_scale(norm)
+        for i, grad in enumerate(grads):
+            opt._release_preflattened_grad_buffers(i)
+            opt.averaged_gradients[i] = None
+            opt.all_grad_tensors[i] = None
+            fp32 = opt.single_partition_of_fp32_groups[i]
+            grad = grad if grad.dtype == fp32.dtype else grad.to(fp32.dtype)
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+            self._update(i, fp32, grad)
+            opt.parallel_partitioned_bit16_groups[i][self.rank[i]].data.copy_(fp32.data)
+        opt._lazy_init_hp_params_optimizer_state()
+        self._all_gather()
+        return None
+
+    # -- the pieces -----------------------------------------------------------------------------
+    def _global_norm(self, groups) -> torch.Tensor:
+        """DeepSpeed's ``scaled_global_norm`` with one all-reduce for all groups."""
+        opt = self.opt
+        squares = []
+        for group in groups:
+            pieces = [g for g in group if not getattr(g, "_zero_padding", False)]
+            if pieces:
+                norms = torch._foreach_norm(pieces, 2, dtype=torch.float64)
+                squares.append(torch.stack(norms).pow(2.0).sum().float())
+            else:
+                squares.append(torch.zeros((), dtype=torch.float32, device=group.flat_partition.device))
+        total = torch.stack(squares)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+        total = total.pow(0.5)
+        total.masked_fill_(total.isnan() | total.isinf(), -1.0)
+        invalid = (~torch.isfinite(total) | (total < 0)).any()
+        combined = torch.linalg.vector_norm(total, ord=2)
+        return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+
+    def _inverse_clip_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """``unscale_and_clip_grads``'s factor, computed with the same operations."""
+        opt = self.opt
+        if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+            return None
+        combined = opt.loss_scale
+        if opt.clip_grad > 0.0:
+            clip = ((norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+            combined = torch.clamp(clip, min=1.0) * opt.loss_scale
+        return 1.0 / combined
+
+    def _update(self, i: int, fp32: torch.Tensor, grad: torch.Tensor) -> None:
+        opt = self.opt
+        if not self.torch_adam:
+            # DeepSpeed's FusedAdam: its own fused kernel and its own state layout.
+            fp32.grad = grad
+            opt._optimizer_step(i)
+            fp32.grad = None
+            return
+        base = opt.optimizer
+        group = base.param_groups[i]
+        state = base.state[fp32]
+        if not state:
+            # As torch.optim.Adam._init_group creates it (non-fused, non-capturable layout), so
+            # DeepSpeed's own step and checkpoints find the same tensors.
+            from torch.optim.optimizer import _get_scalar_dtype
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+            state["exp_avg"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
+        step = state["step"]
+        step += 1
+        # The fused kernel wants the step on the parameter's device (torch keeps it on the CPU).
+        device_step = step if step.device == fp32.device else step.to(fp32.device)
+        beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+        kernel([fp32.data], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+               [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [device_step],
+               amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+               grad_scale=None, found_inf=None)
+
+    def _all_gather(self) -> None:
+        opt = self.opt
+        for i, flat in enumerate(opt.bit16_groups_flat):
+            if self.world[i] == 1:
+                continue
+            shard = opt.parallel_partitioned_bit16_groups[i][self.rank[i]]
+            if self.deferred is None or torch._C._autograd._profiler_enabled():
+                # Under torch.profiler a gloo collective launched inside a profiling session and
+                # finished after it stops crashes the process (torch 2.13, reproduced with a
+                # plain async all-gather and work.wait()): no deferral while profiling.
+                _all_gather_into(flat, shard, group=opt.real_dp_process_group[i])
+                continue
+            with allow_inflight_collective_as_graph_input_ctx():
+                _all_gather_into(flat, shard, group=opt.real_dp_process_group[i], async_op=True)
+
+    def _skip(self) -> None:
+        """DeepSpeed's overflow branch: no update, gradients dropped, the norm reported as inf."""
+        opt = self.opt
+        opt._global_grad_norm = float("inf")
+        opt.zero_grad(set_to_none=True)
+        opt._release_preflattened_grad_buffers()
+        for k in list(opt.averaged_gradients):
+            opt.averaged_gradients[k] = None
+            opt.all_grad_tensors[k] = None
+
+    def _fall_back(self, why: str) -> None:
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("engine %r: lean optimizer step not used for this step (%s); running DeepSpeed's step()",
+                        self.name, why)

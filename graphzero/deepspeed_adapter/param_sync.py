@@ -1,0 +1,101 @@
+"""Materialise a ZeRO-1/2 engine's parameters on demand while their all-gather is deferred.
+
+With ``defer_param_gather`` the lean step (lean_step.py) launches the all-gather of each flat bit16
+buffer and returns; c10d registers the collective's work under the buffer's storage, so
+``_c10d_functional.wait_tensor`` on the buffer or on any parameter viewing it waits for it (and
+is a no-op once it has been waited for, or when nothing is pending). Until then the parameters
+hold this rank's updated shard and the other ranks' old values, so everything that reads them
+waits first:
+
+- graphzero graphs: the ``wait_params`` pass, before each parameter's first read;
+- a forward pre-hook on every submodule that holds an owned parameter waits for that module's
+  parameters: eager calls (evaluation, generation, ``engine(x)``), and graphs compiled by any
+  backend, which trace the hook (graphzero's pass folds those waits into its own);
+- ``state_dict`` / ``load_state_dict`` of those modules, ``engine.save_checkpoint``,
+  ``load_checkpoint``, ``module_state_dict``, ``graphzero.detach``, and the next step;
+- ``parameters()`` / ``named_parameters()`` of the engine and of its module (an EMA over
+  ``model.parameters()``, norm logging, copies): both go through ``named_parameters``, which is
+  overridden on those two instances by a bound method (Dynamo reads ``named_parameters.__func__``).
+
+Not covered: a parameter tensor obtained before ``step()`` (or from a submodule's own
+``parameters()``) and read directly, outside a module call, before the next forward: call
+``graphzero.wait_params(engine)`` first, or set ``defer_param_gather=False``.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+c10d = torch.ops._c10d_functional
+
+# Engine methods that read or write every parameter: wait first.
+_ENGINE_METHODS = ("save_checkpoint", "load_checkpoint", "module_state_dict")
+
+
+class ParamSync:
+    """The waits for one engine's deferred parameter all-gathers."""
+
+    def __init__(self, engine, owned: list[torch.nn.Parameter]) -> None:
+        self.engine = engine
+        self.owned = {id(p) for p in owned}
+        self._handles: list = []
+        self._patched: list[tuple[object, str]] = []
+
+    def wait(self) -> None:
+        """Wait for every pending all-gather of this engine's flat parameter buffers."""
+        for flat in self.engine.optimizer.bit16_groups_flat:
+            c10d.wait_tensor(flat)
+
+    def install(self) -> None:
+        for module in self.engine.module.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.owned]
+            if not own:
+                continue
+
+            def wait_own(*_args, own=own):
+                # Traced by Dynamo too (a graph of any backend gets these waits).
+                for p in own:
+                    c10d.wait_tensor(p)
+
+            self._handles.append(module.register_forward_pre_hook(wait_own))
+            self._handles.append(module.register_state_dict_pre_hook(self._wait_eager))
+            self._handles.append(module.register_load_state_dict_pre_hook(self._wait_eager))
+        for name in _ENGINE_METHODS:
+            if name in self.engine.__dict__:   # someone else's override: leave it alone
+                continue
+            setattr(self.engine, name, self._waiting(getattr(self.engine, name)))
+            self._patched.append((self.engine, name))
+        for obj in (self.engine, self.engine.module):
+            if "named_parameters" not in obj.__dict__:
+                obj.named_parameters = types.MethodType(self._waiting_named_parameters(type(obj).named_parameters), obj)
+                self._patched.append((obj, "named_parameters"))
+
+    def uninstall(self) -> None:
+        self.wait()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for obj, name in self._patched:
+            obj.__dict__.pop(name, None)
+        self._patched.clear()
+
+    def _wait_eager(self, *_args, **_kwargs) -> None:
+        if not torch.compiler.is_compiling():
+            self.wait()
+
+    def _waiting_named_parameters(self, unbound):
+        @functools.wraps(unbound)
+        def named_parameters(module, *args, **kwargs):
+            if not torch.compiler.is_compiling():   # a graph waits by itself (wait_params pass, hooks)
+                self.wait()
+            return unbound(module, *args, **kwargs)
+        return named_parameters
+
+    def _waiting(self, method):
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            self.wait()
+            return method(*args, **kwargs)
+        return wrapped

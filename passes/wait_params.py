@@ -1,0 +1,60 @@
+"""wait_params: every read of an owned ZeRO-1/2 parameter waits for its deferred all-gather.
+
+Runs on the forward graph. graphzero's lean optimizer step may end by launching the all-gather of
+an engine's updated parameters without waiting (option ``defer_param_gather``): c10d registers
+that collective's work under the flat buffer's storage, and ``_c10d_functional.wait_tensor`` on
+any parameter viewing that buffer waits for it (a no-op when nothing is pending).
+
+For each owned, unsharded parameter input that the graph reads, this pass inserts one
+``wait_tensor(param)`` just before its first use and routes every other use of the parameter
+through the wait's result: a data dependency, so no compiler can move a read above the wait. The
+first wait of a flat group that runs blocks until the group's gather is complete; the others find
+nothing pending. Waits already in the graph on such a parameter (traced from the adapter's module
+hooks, which protect eager calls and graphs of other backends) are folded into this one.
+
+Records per engine ``param_waits``. Graph outputs keep the parameter itself: they are saved for
+backward, which runs after this forward has waited.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ._graph import Inserter, PassContext
+
+PASS = "wait_params"
+c10d = torch.ops._c10d_functional
+
+
+def _owned_params(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, object]]:
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        idx = getattr(node.meta.get("desc"), "idx", None)
+        owned = ctx.ownership.inputs.get(idx) if isinstance(idx, int) else None
+        if owned is not None and not owned.shard:
+            out.append((node, owned))
+    return out
+
+
+def wait_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for param, owned in _owned_params(gm, ctx):
+        for old in [u for u in param.users if u.target is c10d.wait_tensor.default]:
+            old.replace_all_uses_with(param)
+            gm.graph.erase_node(old)
+        uses = [u for u in param.users if u.op != "output"]
+        if not uses:
+            continue
+        first = min(uses, key=order.__getitem__)
+        wait = Inserter(gm, ctx, PASS, first.prev).call(
+            c10d.wait_tensor.default, (param,), engine=owned.param_set.name,
+            why=f"{owned.qualname}: its all-gather may still be in flight from the last optimizer step")
+        for use in uses:
+            use.replace_input_with(param, wait)
+        ctx.count(owned.param_set, "param_waits")
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
