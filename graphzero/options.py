@@ -34,8 +34,12 @@ class Options:
         config allows, DeepSpeed's own otherwise. None (default): on, or as an earlier
         compile/attach of the engine set it; False: DeepSpeed's own step.
     defer_param_gather: the lean step launches the all-gather of the updated parameters without
-        waiting; the next forward (or anything else that reads them) waits for it. None (default):
-        on wherever the lean step runs; needs lean_step.
+        waiting; the next graphzero forward waits for it just before first use, and module calls,
+        ``state_dict``, checkpoints, ``parameters()`` of the engine and its module, ``detach`` and
+        ``graphzero.wait_params`` wait too. A parameter tensor kept from before ``step()`` and read
+        directly (an EMA loop over a saved list) is not guarded: call ``graphzero.wait_params``
+        first. None (default): off, or as an earlier compile/attach of the engine set it; needs
+        lean_step.
     """
 
     engines: tuple[tuple[str, Any], ...] = ()

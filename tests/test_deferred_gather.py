@@ -84,7 +84,7 @@ def deferred_scenario(fn_name: str, remove_waits: bool = False, steps: int = 3) 
     fn = {"gan_step": gan_step, "gan_step_with_break": gan_step_with_break}[fn_name]
     deferred, waited = _engines(), _engines()
     graphzero.attach(**deferred)   # installs the module hooks now, so _NoWaits can remove them
-    step_d = torch.compile(fn, backend="graphzero", options={"engines": deferred})
+    step_d = torch.compile(fn, backend="graphzero", options={"engines": deferred, "defer_param_gather": True})
     step_w = torch.compile(fn, backend="graphzero", options={"engines": waited, "defer_param_gather": False})
     broken = _NoWaits(deferred) if remove_waits else None
     mismatches = []

@@ -65,7 +65,8 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
     lean = {k: engine(m, cfg) for k, m in _models(kind, tdtype).items()}
     own = {k: engine(m, cfg) for k, m in _models(kind, tdtype).items()}
     loss_fn = gan_loss if kind == "gan" else chain_loss
-    step_lean = torch.compile(loss_fn, backend="graphzero", options={"engines": lean, "lean_step": True})
+    step_lean = torch.compile(loss_fn, backend="graphzero", options={"engines": lean, "lean_step": True,
+                                                                       "defer_param_gather": True})
     step_own = torch.compile(loss_fn, backend="graphzero", options={"engines": own, "lean_step": False})
     lrs = []
     for t in range(steps):
@@ -139,7 +140,7 @@ def _state(engines) -> list[torch.Tensor]:
 def checkpoint_across_runtimes_scenario(save_with: str) -> None:
     rank, _ = rank_world()
     cfg = _config(2)
-    gz_opts = {"lean_step": True, "inner": "eager"}
+    gz_opts = {"lean_step": True, "defer_param_gather": True, "inner": "eager"}
     torch.manual_seed(6)
     saving = {"m": engine(mlp(8, 32, 8, depth=3), cfg)}
     fn = None

@@ -30,7 +30,8 @@ class ZeroBinding(DeepSpeedBinding):
         # weak: a group step() consumed must not be kept alive until the next backward
         self._installed_groups: dict[int, weakref.ref] = {}
         self.want_lean_step = True
-        self.want_defer = True
+        # Off unless asked: a parameter list kept across step() is not guarded (param_sync.py).
+        self.want_defer = False
         super().__init__(engine, name)
         self.param_sync = ParamSync(engine, [p for g in self.param_set.groups for p in g.params])
 
