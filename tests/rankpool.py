@@ -42,6 +42,8 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) ->
             conn.send(("error", traceback.format_exc()))
         finally:
             torch._dynamo.reset()
+            # reset() keeps Dynamo's counters: a scenario's graph breaks must not show in the next one's dump
+            torch._dynamo.utils.counters.clear()
             # reset() also drops Dynamo's compile-start callbacks, graphzero's early attach among
             # them; a user process that never resets keeps it from `import graphzero` on.
             if "graphzero" in sys.modules:
