@@ -17,6 +17,7 @@ from .annotate_owner import annotate_owner
 from .bucket import bucket
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
+from .local_accumulate import local_accumulate
 from .reduce_scatter import insert_reduce_scatter
 from .release import release
 from .schedule import schedule_overlap
@@ -24,9 +25,12 @@ from .schedule import schedule_overlap
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # Order matters: each pass relies on what the previous ones put in the context.
-#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; insert_reduce_scatter -> ctx.reduced;
+#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1, gas > 1: keeps a
+#   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
+#   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
-PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
+PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
+                              schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph).
@@ -62,6 +66,7 @@ __all__ = [
     "bucket",
     "fp32_accumulate",
     "insert_reduce_scatter",
+    "local_accumulate",
     "release",
     "run_pipeline",
     "schedule_gathers_backward",

@@ -307,7 +307,7 @@ def test_leftovers_reduced_at_step_and_eager_safety_net(ranks):
     assert result["eager_collectives"] == [0, 2] * STEPS, result
 
 
-def gas_change_scenario() -> None:
+def gas_change_scenario() -> list[int]:
     """set_train_batch_size between optimizer steps: windows of gas 4, then 2, then 1 (every
     micro-step a boundary) on a graph compiled at gas 4."""
     rank, world = rank_world()
@@ -316,11 +316,13 @@ def gas_change_scenario() -> None:
     ref = Reference({"m": M})
     gz = engine(M, ds_config(1, gas=4))
     step = torch.compile(full_loss, backend="graphzero", options={"engines": {"m": gz}, "inner": "eager"})
-    i = 0
+    i, per_micro = 0, []
     for gas in (4, 2, 1, 1):
         gz.set_train_batch_size(gz.train_micro_batch_size_per_gpu() * gas * world)
         for _ in range(gas):
-            step(gz, *data(i, rank, (5, 6), (5, 3))).backward()
+            with Collectives() as seen:
+                step(gz, *data(i, rank, (5, 6), (5, 3))).backward()
+            per_micro.append(seen.count)
             ref.accumulate(lambda m, x, y: full_loss(m["m"], x, y), [data(i, r, (5, 6), (5, 3)) for r in range(world)],
                            gas=gas)
             gz.step()
@@ -328,10 +330,13 @@ def gas_change_scenario() -> None:
         ref.step()
         assert_params_close(gz, ref.models["m"], **PARAM_TOL, what=f"window of gas {gas}")
         torch.testing.assert_close(float(gz.get_global_grad_norm()), ref.norms["m"], **NORM_TOL)
+    return per_micro
 
 
 def test_gas_changed_between_steps(ranks):
-    ranks.run(gas_change_scenario)
+    per_micro = ranks.run(gas_change_scenario)[0]
+    # one bucket: reduced at each window's boundary only
+    assert per_micro == [0, 0, 0, 1, 0, 1, 1, 1], per_micro
 
 
 def boundary_disagreement_scenario() -> str:
