@@ -401,7 +401,7 @@ def _patch_accelerator(accelerator: Any) -> None:
 
     @contextlib.contextmanager
     def no_sync(model: Any):
-        # graphzero reduces every micro-batch in-graph; DeepSpeed's no_sync would refuse ZeRO-2
+        # graphzero reduces in-graph (ZeRO-1: at the boundary); DeepSpeed's no_sync would refuse ZeRO-2
         # (Accelerate chooses by the last selected plugin, not by this model's stage).
         if deepspeed_adapter.binding_of(model) is not None:
             yield
