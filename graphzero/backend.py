@@ -18,7 +18,7 @@ from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, rank_agreement, retrace, variants
+from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreement, retrace, variants
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
@@ -262,6 +262,8 @@ class BackwardWithRuntimeInputs:
         for ps, mode in self.local.items():
             if accumulating[ps]:
                 (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])
+        # an engine at its boundary that this micro-step's graphs do not reach still holds its window
+        local_accumulation.flush_after_this_backward()
         return out
 
 

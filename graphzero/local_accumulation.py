@@ -16,6 +16,8 @@ knows about DeepSpeed: the adapter creates one per engine and says when a window
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -32,10 +34,15 @@ class LocalAccumulator:
     """
 
     def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype,
-                 on_accumulate: Callable[[], None] = lambda: None) -> None:
+                 on_accumulate: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
+                 at_boundary: Callable[[], bool] = lambda: True) -> None:
         self.groups = groups
         self.dtype = dtype
         self.on_accumulate = on_accumulate
+        # reduces every pending sum into the shards (the adapter: a collective)
+        self.flush = flush
+        self.at_boundary = at_boundary
+        self.order = next(_ORDER)   # the same on every rank: engines are attached in the same order
         self.pending: set[tuple[int, int]] = set()
         self._buffers: list[torch.Tensor] | None = None
 
@@ -51,6 +58,7 @@ class LocalAccumulator:
 
     def accumulated(self, positions: Iterable[tuple[int, int]]) -> None:
         self.pending.update(positions)
+        _WITH_PENDING.add(self)
         self.on_accumulate()
 
     @torch.no_grad()
@@ -58,6 +66,8 @@ class LocalAccumulator:
         """These parameters' sums were reduced into the shards: they start again from zero."""
         positions = set(positions)
         self.pending -= positions
+        if not self.pending:
+            _WITH_PENDING.discard(self)
         if self._buffers is None:
             return
         if not self.pending:
@@ -71,4 +81,25 @@ class LocalAccumulator:
     def clear(self) -> None:
         """Forget the window (``zero_grad``, detach)."""
         self.pending.clear()
+        _WITH_PENDING.discard(self)
         self._buffers = None
+
+
+_ORDER = itertools.count()
+_WITH_PENDING: weakref.WeakSet[LocalAccumulator] = weakref.WeakSet()
+
+
+def flush_at_boundary() -> None:
+    """End of a backward: reduce the pending sums of every engine at its boundary that no
+    boundary graph reduced (an engine the boundary micro-step's loss did not reach), so that its
+    gradients are complete when the backward returns, as after DeepSpeed's boundary backward.
+    Every rank runs the same backwards, so the same flushes in the same order."""
+    for acc in sorted(_WITH_PENDING, key=lambda a: a.order):
+        if acc.pending and acc.at_boundary():
+            acc.flush()
+
+
+def flush_after_this_backward() -> None:
+    """Queue `flush_at_boundary` to run when the current autograd backward finishes."""
+    if _WITH_PENDING:
+        torch.autograd.Variable._execution_engine.queue_callback(flush_at_boundary)

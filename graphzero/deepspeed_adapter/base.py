@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import rank_agreement, retrace
+from .. import local_accumulation, rank_agreement, retrace
 from ..errors import NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..ownership import FlatGroup, ParamSet
@@ -121,7 +121,8 @@ class DeepSpeedBinding:
             # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at
             # the gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 reduces every
             # micro-step. gas is read when a graph is compiled and the boundary per backward.
-            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local)
+            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local,
+                                        flush=self._flush_local, at_boundary=engine.is_gradient_accumulation_boundary)
             ps.defers_reduction = lambda: engine.gradient_accumulation_steps() > 1
             ps.at_boundary = engine.is_gradient_accumulation_boundary
         return ps
@@ -317,6 +318,7 @@ class DeepSpeedBinding:
                 ps.local.accumulated([(g, k)])
                 param.grad = None
                 return
+            local_accumulation.flush_after_this_backward()
             grad, scale = mine.to(ps.comm_dtype, copy=True), 1.0
             ps.local.reduced([(g, k)])
         else:
