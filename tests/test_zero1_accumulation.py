@@ -269,8 +269,8 @@ def first_layer_loss(model, x, y):
 
 
 def leftovers_and_safety_net_scenario() -> dict:
-    """Gradients kept locally that no boundary backward reduces are reduced by the boundary
-    step(): a boundary micro-step that reaches only the first layer, and the eager safety net
+    """Gradients kept locally that no boundary graph reduces are reduced when the boundary backward
+    ends: a boundary micro-step that reaches only the first layer, and the eager safety net
     (an attached engine whose micro-steps run uncompiled) at gas 2, 3 optimizer steps each."""
     rank, world = rank_world()
     torch.manual_seed(4)
@@ -293,6 +293,9 @@ def leftovers_and_safety_net_scenario() -> dict:
             assert_no_full_grads(gz)
             ref.accumulate(lambda m, x, y, fn=fn: fn(m["m"], x, y), [data(i, r, (5, 6), (5, 3)) for r in range(world)],
                            gas=2)
+            if micro == 1:
+                # complete when the boundary backward returns (before step()), as under DeepSpeed
+                assert_grads_close(full_grads(gz), ref.grads("m"), **GRAD_TOL, what=f"step {t} (eager={eager})")
             gz.step()
         ref.step()
         assert_params_close(gz, ref.models["m"], **PARAM_TOL, what=f"step {t} (eager={eager})")
@@ -300,11 +303,11 @@ def leftovers_and_safety_net_scenario() -> dict:
     return {"eager_collectives": seen_eager}
 
 
-def test_leftovers_reduced_at_step_and_eager_safety_net(ranks):
+def test_leftovers_reduced_at_the_boundary_and_eager_safety_net(ranks):
     result = ranks.run(leftovers_and_safety_net_scenario)[0]
-    # the safety net: nothing at the non-boundary micro-step, one all-reduce per first-layer
-    # parameter at the boundary (the second layer's window sum goes at step())
-    assert result["eager_collectives"] == [0, 2] * STEPS, result
+    # the safety net: nothing at the non-boundary micro-step, at the boundary one all-reduce per
+    # first-layer parameter and one for the second layer's window sum (end of the backward)
+    assert result["eager_collectives"] == [0, 3] * STEPS, result
 
 
 def gas_change_scenario() -> list[int]:
