@@ -34,7 +34,8 @@ whose loss also reaches D) would step D twice, on the generator's loss. Driving 
 their optimizers gives each model exactly the step the loop asks for, as in plain PyTorch.
 
 - ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine (graphzero reduces
-  in-graph every micro-batch; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks
+  in-graph: ZeRO-2 every micro-batch, ZeRO-1 at the boundary, which ``accelerator.backward`` sets
+  from ``sync_gradients`` before the backward; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks
   ``no_sync`` from whichever plugin was selected last).
 
 Where the loop cannot be made right, a :class:`graphzero.AccelerateError` names the model: an
@@ -176,6 +177,9 @@ def _has_gradients(engine: Any) -> bool:
     if binding is None:  # given back to DeepSpeed (graphzero.detach)
         return False
     opt = engine.optimizer
+    local = binding.param_set.local
+    if local is not None and local.pending:   # ZeRO-1: kept locally, reduced by the boundary step()
+        return True
     if binding.kind == "bf16":
         return any(any(flags) for flags in opt.fp32_groups_has_gradients)
     return any(opt.averaged_gradients.get(i) is not None for i in range(len(binding.param_set.groups)))
@@ -256,6 +260,9 @@ class _PlainBackward:
             )
         for record in records:
             record.awaiting_step = False
+            # This backward's boundary is Accelerate's: a ZeRO-1 engine with gas > 1 reduces only
+            # at the boundary, and would otherwise see the flag its last step() left.
+            record.engine.set_gradient_accumulation_boundary(sync_gradients)
         loss.backward(**kwargs)
         if grad_fn is not None:
             grad_fn.metadata["graphzero_reduced"] = True
@@ -274,7 +281,7 @@ def _patch_accelerator(accelerator: Any) -> None:
 
     @contextlib.contextmanager
     def no_sync(model: Any):
-        # graphzero reduces every micro-batch in-graph; DeepSpeed's no_sync would refuse ZeRO-2
+        # graphzero reduces in-graph (ZeRO-1: at the boundary); DeepSpeed's no_sync would refuse ZeRO-2
         # (Accelerate chooses by the last selected plugin, not by this model's stage).
         if deepspeed_adapter.binding_of(model) is not None:
             yield

@@ -7,8 +7,9 @@ its arguments and writes the reduced, scaled fp32 shards into them.
 """
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, rank_agreement, retrace
+from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreement, retrace, variants
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
@@ -125,12 +126,12 @@ class BackwardTransform:
         self.gathers = any(o.shard for o in ownership.inputs.values())
         self.forward_ctx: PassContext | None = None
 
-    def _context(self, example_inputs: Sequence[Any]) -> PassContext:
+    def _context(self, example_inputs: Sequence[Any], local: variants.Modes | None = None) -> PassContext:
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
         return PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
-                           bucket_size=self.opts.bucket_size)
+                           bucket_size=self.opts.bucket_size, local=dict(local or {}))
 
     def joint(self, gm: fx.GraphModule) -> None:
         """Before the partitioner splits the joint graph (ZeRO-3: gathers are recomputed, not saved)."""
@@ -159,17 +160,37 @@ class BackwardTransform:
         what = f"graph {self.graph_id} forward (engines {sorted({p[1] for p in plan})})"
         return rank_agreement.ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
 
-    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PassContext]:
-        ctx = self._context(example_inputs)
-        self.dump.backward_stage("input", gm)
+    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], local: variants.Modes | None = None,
+                  dump: GraphDump | None = None) -> tuple[fx.GraphModule, PassContext]:
+        ctx = self._context(example_inputs, local)
+        dump = dump or self.dump
+        dump.backward_stage("input", gm)
         if self.ownership.inputs:
-            gm = run_pipeline(gm, ctx, after_pass=self.dump.backward_stage, pipeline=backward_pipeline(self.gathers))
+            gm = run_pipeline(gm, ctx, after_pass=dump.backward_stage, pipeline=backward_pipeline(self.gathers))
         if self.forward_ctx is not None:
             for ps, stats in self.forward_ctx.stats.items():
                 for key, value in stats.items():
                     ctx.stats[ps].setdefault(key, value)
-        self.dump.finish(ctx, self.ownership)
+        dump.finish(ctx, self.ownership)
         return gm, ctx
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 compile_fn: Callable[[fx.GraphModule, list[Any], PassContext], Any]):
+        """Transform and compile the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
+        compiler) and wrap it; a graph using ZeRO-1 engines with gradient accumulation gets one
+        variant per boundary state of those engines, compiled when first needed (variants.py)."""
+        deferred = [ps for ps in self.ownership.param_sets if ps.local is not None and ps.defers_reduction()]
+
+        def compile_variant(gm: fx.GraphModule, local: variants.Modes | None = None,
+                            dump: GraphDump | None = None):
+            gm, ctx = self.transform(gm, example_inputs, local, dump)
+            return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)
+
+        if not deferred:
+            return compile_variant(gm)
+        pristine = copy.deepcopy(gm)
+        return variants.BoundaryVariants(deferred, lambda modes: compile_variant(
+            copy.deepcopy(pristine), modes, self.dump.variant(variants.label(modes))))
 
     def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -209,6 +230,11 @@ class BackwardWithRuntimeInputs:
         self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
         self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
         self.fault_timeout_s = fault_timeout_s
+        # ZeRO-1 engines with gradient accumulation: which variant this is, and which parameters'
+        # local sums it adds to ("accumulate") or reduces ("flush")
+        self.local = dict(ctx.local)
+        self.positions = {ps: [(g.owned.group, g.owned.position) for g in ctx.grads if g.owned.param_set is ps]
+                          for ps in self.local}
 
     def _scale(self, value: float) -> torch.Tensor:
         if value not in self._scale_tensors:
@@ -222,22 +248,36 @@ class BackwardWithRuntimeInputs:
                                  "call torch._dynamo.reset() or compile the step again")
         retrace.maybe_reset(self.param_sets)
         accumulating = self.probe.accumulating()
-        buffers, scales = {}, {}
+        buffers, scales, local = {}, {}, {}
         for ps in self.param_sets:
+            mode = self.local.get(ps)
             if accumulating[ps]:
-                ps.mark_present(self.present[ps])
-                buffers[ps] = ps.sinks()
+                if mode != "accumulate":
+                    ps.mark_present(self.present[ps])
+                    buffers[ps] = ps.sinks()
+                if mode is not None:
+                    local[ps] = ps.local.buffers(self.device)
             else:
                 # autograd.grad / backward(inputs=...) without this engine: eager autograd would
                 # write no .grad, so the shard stays untouched; the collectives still run (every
                 # rank issues the same ones) into scratch buffers.
                 buffers[ps] = ps.scratch_sinks(self.device)
+                if mode is not None:
+                    local[ps] = ps.local.scratch(self.device)
             scales[ps] = ps.runtime_scale()
-        args.extend(buffers[ps][g] if kind == "sink" else self._scale(scales[ps]) for kind, ps, g in self.runtime_inputs)
+        runtime = {"sink": buffers, "local": local}
+        args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps])
+                    for kind, ps, g in self.runtime_inputs)
         for _, group in self.groups:
             rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)
         with rank_agreement.collective_failures(self.what):
-            return self.compiled(args)
+            out = self.compiled(args)
+        for ps, mode in self.local.items():
+            if accumulating[ps]:
+                (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])
+        # an engine at its boundary that this micro-step's graphs do not reach still holds its window
+        local_accumulation.flush_after_this_backward()
+        return out
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):
@@ -246,18 +286,20 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):
             return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
-        graph, ctx = t.transform(graph, inputs)
-        inputs = list(inputs) + t.runtime_example_inputs(graph, ctx)
-        patches = {}
-        if t.opts.overlap and ctx.runtime_inputs and not t.gathers:
-            # Inductor would otherwise fuse the accumulation into unrelated earlier kernels and
-            # wait on the collective right after issuing it. Not with ZeRO-3 gathers: their passes
-            # place every wait, and sinking the reduce-scatters' waits to the end would keep every
-            # full-size gradient alive until then.
-            patches = {"reorder_for_compute_comm_overlap": True,
-                       "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
-        with torch._inductor.config.patch(patches):
-            return t.wrap(compile_fx_inner(graph, inputs, **kwargs), ctx)
+
+        def compile_backward(graph: fx.GraphModule, inputs: list[Any], ctx: PassContext):
+            patches = {}
+            if t.opts.overlap and ctx.runtime_inputs and not t.gathers:
+                # Inductor would otherwise fuse the accumulation into unrelated earlier kernels and
+                # wait on the collective right after issuing it. Not with ZeRO-3 gathers: their passes
+                # place every wait, and sinking the reduce-scatters' waits to the end would keep every
+                # full-size gradient alive until then.
+                patches = {"reorder_for_compute_comm_overlap": True,
+                           "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
+            with torch._inductor.config.patch(patches):
+                return compile_fx_inner(graph, inputs, **kwargs)
+
+        return t.backward(graph, inputs, compile_backward)
 
     joint = {"joint_custom_pre_pass": _JointPass(t)} if t.gathers else {}
     with torch._inductor.config.patch(joint):
@@ -285,8 +327,7 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
         return t.wrap_forward(make_boxed_func(t.forward(graph).forward))
 
     def bw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
-        graph, ctx = t.transform(graph, inputs)
-        return t.wrap(make_boxed_func(graph.forward), ctx)
+        return t.backward(graph, inputs, lambda graph, _inputs, _ctx: make_boxed_func(graph.forward))
 
     kwargs = {}
     if t.gathers:

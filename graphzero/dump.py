@@ -51,6 +51,7 @@ class GraphDump:
         self.breaks_at_compile = retrace.graph_breaks()
         self.generation = retrace.generation()
         self._stage = 0
+        self.extra: dict[str, Any] = {}
 
     @classmethod
     def for_graph(cls, opts: Options, graph_id: str) -> GraphDump:
@@ -62,6 +63,15 @@ class GraphDump:
             elif rank == 0:
                 root = Path(opts.dump_dir)
         return cls(root, graph_id, opts.inner)
+
+    def variant(self, label: str) -> GraphDump:
+        """The dump of one backward variant (variants.py) of this graph: its own graph record
+        ``<graph id>-<label>`` (and directory), marked with ``variant`` and ``variant_of``."""
+        dump = GraphDump(self.root, f"{self.graph_id}-{label}", self.inner)
+        dump.generation = self.generation
+        dump.breaks_at_compile = self.breaks_at_compile
+        dump.extra = {"variant": label, "variant_of": self.graph_id}
+        return dump
 
     def _write(self, rel: str, gm: fx.GraphModule) -> None:
         # Printing a graph costs compile time: only when tracing (tlparse) or dumping asks for it.
@@ -111,6 +121,9 @@ class GraphDump:
                 "gathered_peak_bytes_fwd": stats.get("gathered_peak_bytes_fwd", 0),
                 "gathered_peak_bytes_bwd": stats.get("gathered_peak_bytes_bwd", 0),
                 "fp32_accumulate": stats.get("fp32_accumulate", 0),
+                # ZeRO-1 with gas > 1: gradients added to (variant "accumulate") or reduced from
+                # (variant "boundary") the engine's local accumulation buffer
+                "local_accumulate": stats.get("local_accumulate", 0),
                 "comm_bytes_per_step": stats.get("comm_bytes_per_step", 0),
                 "comm_bytes_by_dtype": stats.get("comm_bytes_by_dtype", {}),
                 "grad_dtype": str(owned[0].param.dtype).removeprefix("torch.") if owned else None,
@@ -119,7 +132,7 @@ class GraphDump:
                 "world_size": ps.world_size, "collective_group": ps.group_name,
             }
         record = {"id": self.graph_id, "graph_breaks": self.breaks_at_compile, "inner": self.inner,
-                  "generation": self.generation, "passes": self.passes, "engines": engines}
+                  "generation": self.generation, "passes": self.passes, "engines": engines, **self.extra}
         for name, e in engines.items():
             log.info("graph %s engine %r: %d params, %d buckets, %d reduce-scatter, %d all-reduce, %d B/step",
                      self.graph_id, name, e["params"], e["buckets"], e["reduce_scatter"], e["all_reduce"],

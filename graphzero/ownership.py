@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import WorldMismatchError
+
+if TYPE_CHECKING:
+    from .local_accumulation import LocalAccumulator
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,6 +89,13 @@ class ParamSet:
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
+    # ZeRO-1 (local_accumulation.py): the window's local gradient sum; None for engines that reduce
+    # every micro-step. defers_reduction() (read at compile time: gas > 1) says whether graphs
+    # compiled now keep non-boundary micro-steps local; at_boundary() (read per backward) whether
+    # this micro-step ends the accumulation window.
+    local: LocalAccumulator | None = None
+    defers_reduction: Callable[[], bool] = lambda: False
+    at_boundary: Callable[[], bool] = lambda: True
 
     def __post_init__(self) -> None:
         if self.runtime_scale is None:

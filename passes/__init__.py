@@ -19,6 +19,7 @@ from .bucket_gathers import bucket_gathers_backward, bucket_gathers_forward
 from .bucket_shard_grads import bucket_shard_grads
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
+from .local_accumulate import local_accumulate
 from .reduce_scatter import insert_reduce_scatter
 from .release import release
 from .schedule import schedule_overlap
@@ -27,9 +28,12 @@ from .wait_params import wait_params
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # Order matters: each pass relies on what the previous ones put in the context.
-#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; insert_reduce_scatter -> ctx.reduced;
+#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1, gas > 1: keeps a
+#   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
+#   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
-PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, insert_reduce_scatter, fp32_accumulate, schedule_overlap)
+PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
+                              schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # wait_params: ZeRO-1/2 parameters wait for a deferred all-gather before their first read;
@@ -73,6 +77,7 @@ __all__ = [
     "bucket_shard_grads",
     "fp32_accumulate",
     "insert_reduce_scatter",
+    "local_accumulate",
     "release",
     "run_pipeline",
     "schedule_gathers_backward",

@@ -58,6 +58,10 @@ class PassContext:
     # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
     # the 0-d fp32 factor for this call
     runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
+    # ZeRO-1 engines with gradient accumulation, in the variant being compiled: "accumulate" (a
+    # non-boundary micro-step: add into the local buffer, no collective) or "flush" (the boundary:
+    # reduce local buffer + gradient). Engines not listed reduce every micro-step.
+    local: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
     # per ParamSet (by identity: two engines may share a name): counters the dump reports
     stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
     # ZeRO-3 collectives in graph order, one entry per parameter all-gather ("fwd"/"bwd") or shard
@@ -69,8 +73,10 @@ class PassContext:
     def collective_plan(self) -> list[tuple]:
         """What this graph reduces, in order, with nothing rank-specific: ranks compare it before
         reducing (rank_agreement.py)."""
+        # The variant is part of the plan: ranks that disagree on the boundary raise, not hang.
         return [(b.param_set.name, b.group, b.lo, b.hi, str(b.param_set.comm_dtype), self.collective)
-                for b in self.buckets] + list(self.zero3_plan)
+                for b in self.buckets] + list(self.zero3_plan) + [
+                    ("local", ps.name, mode) for ps, mode in self.local.items()]
 
     def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
         self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount
@@ -106,6 +112,19 @@ class Inserter:
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device, *, engine: str, why: str) -> fx.Node:
         return self.call(torch.ops.aten.full.default, ([numel], 0.0),
                          {"dtype": dtype, "device": device, "pin_memory": False}, engine=engine, why=why)
+
+
+def append_placeholder(gm: fx.GraphModule, ctx: PassContext, pass_name: str, name: str, val: torch.Tensor,
+                       kind: str, ps: ParamSet, g: int | None, why: str) -> fx.Node:
+    """A new last placeholder whose real tensor the runtime supplies on every call (recorded in
+    ``ctx.runtime_inputs`` as ``(kind, ps, g)``); ``val`` is its fake value."""
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(name)
+    node.meta["val"] = val
+    node.meta["graphzero"] = {"pass": pass_name, "engine": ps.name, "why": why}
+    ctx.runtime_inputs.append((kind, ps, g))
+    return node
 
 
 def last_in_order(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.Node:

@@ -9,7 +9,8 @@ call. Before the output it inserts:
   reduce-scattered shard gradient in group order) -> convert to the accumulation
   dtype -> multiply by the factor -> add to the sink -> ``aten.copy_`` into the sink.
 
-Inductor fuses the cast, scale and add into one pass over the shard. Finally the owned
+Inductor fuses the cast, scale and add into one pass over the shard. A ZeRO-1 engine flushing its
+local accumulation (local_accumulate) is not scaled again here. Finally the owned
 gradients are removed from the graph's outputs (None), so autograd keeps no full-size ``.grad``.
 """
 from __future__ import annotations
@@ -95,7 +96,9 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         device = ctx.grads_of(ps, g)[0].node.meta["val"].device
         sink = placeholder(f"graphzero_sink_{ps.name}_{g}", (shard,), ps.accum_dtype, device, "sink", ps, g,
                            f"{ps.accum_dtype} gradient shard of param group {g} ({shard} elements)")
-        if ps not in scales:
+        # local_accumulate already applied the factor to each micro-step's gradient
+        prescaled = ctx.local.get(ps) == "flush"
+        if ps not in scales and not prescaled:
             scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         if group.presharded:
@@ -107,8 +110,9 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ps.comm_dtype != ps.accum_dtype:
             delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype),
                              engine=ps.name, why=f"upcast reduced shard to {ps.accum_dtype}")
-        delta = ins.call(aten.mul.Tensor, (delta, scales[ps]), engine=ps.name,
-                         why=f"average: 1/(world {ps.world_size} x gas)")
+        if not prescaled:
+            delta = ins.call(aten.mul.Tensor, (delta, scales[ps]), engine=ps.name,
+                             why=f"average: 1/(world {ps.world_size} x gas)")
         total = ins.call(aten.add.Tensor, (sink, delta), engine=ps.name, why=f"accumulate into the {ps.accum_dtype} shard")
         ins.call(aten.copy_.default, (sink, total), engine=ps.name, why="write the shard the optimizer reads in step()")
         ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))

@@ -44,7 +44,7 @@ def targets(gm: fx.GraphModule, op) -> list[fx.Node]:
 
 
 def test_pipeline_order_is_declared_once():
-    assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "insert_reduce_scatter",
+    assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter",
                                               "fp32_accumulate", "schedule_overlap"]
 
 
@@ -84,3 +84,40 @@ def test_a_graph_with_some_parameters_reduces_only_their_ranges():
     assert [(b.lo, b.hi) for b in ctx.buckets] == [(4, 20)]
     (rs,) = targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
     assert rs.args[0].meta["val"].numel() == 32
+
+
+def test_local_accumulate_keeps_a_non_boundary_micro_step_local():
+    # ZeRO-1 with gas > 1, not at the boundary: no collective, no shard; the scaled gradients land
+    # at their flat offsets of the window's local buffer (placeholders: 3 grads, buffer, factor).
+    gm, ctx, ps = build(bucket_size=16, backend="nccl")
+    ctx.local[ps] = "accumulate"
+    gm = run_pipeline(gm, ctx)
+    assert not ctx.buckets and not ctx.reduced
+    assert not targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert not targets(gm, torch.ops._c10d_functional.all_reduce.default)
+    assert [kind for kind, _, _ in ctx.runtime_inputs] == ["local", "scale"]
+    grads = [torch.randn(s) for s in SHAPES]
+    local = torch.ones(NUMEL)
+    assert gm(*grads, local, torch.tensor(0.25)) == (None, None, None)
+    expected = torch.ones(NUMEL)
+    for g, offset in zip(grads, OFFSETS):
+        expected[offset:offset + g.numel()] += 0.25 * g.reshape(-1)
+    torch.testing.assert_close(local, expected)
+    assert ctx.stats[ps]["local_accumulate"] == 3 and ctx.stats[ps]["buckets"] == 0
+
+
+def test_local_accumulate_reduces_the_window_sum_at_the_boundary():
+    # At the boundary each bucket carries (local sum + scaled gradient); fp32_accumulate adds the
+    # reduced chunk to the shard without scaling it a second time.
+    gm, ctx, ps = build(bucket_size=16, backend="nccl")
+    ctx.local[ps] = "flush"
+    gm = run_pipeline(gm, ctx)
+    rs = targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert len(rs) == 3
+    local = next(n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("graphzero_local_disc"))
+    reads = [u for u in local.users if u.target is torch.ops.aten.slice.Tensor]
+    assert len(reads) == 3, "each gradient adds its slice of the window's sum"
+    assert [kind for kind, _, _ in ctx.runtime_inputs] == ["local", "scale", "sink"]
+    muls = [n for n in targets(gm, torch.ops.aten.mul.Tensor) if n.meta["graphzero"]["pass"] == "fp32_accumulate"]
+    assert muls == []
+    assert ("local", "disc", "flush") in ctx.collective_plan

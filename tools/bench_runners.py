@@ -9,15 +9,17 @@ from .bench_runners_deepspeed import (
     DeepCompileRunner,
     DeepSpeedEngineBackward,
     DeepSpeedPlainBackward,
+    GraphZeroDeepSpeedStepRunner,
+    GraphZeroDeferredRunner,
     GraphZeroEagerRunner,
     GraphZeroRunner,
 )
 from .bench_runners_torch import DDPRunner, FSDP2Runner, TorchCompileFusedRunner
 
 __all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedPlainBackward",
-           "FSDP2Runner", "GraphZeroEagerRunner", "GraphZeroRunner", "Hyper", "RunContext", "Runner",
+           "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner", "GraphZeroEagerRunner", "GraphZeroRunner", "Hyper", "RunContext", "Runner",
            "RunnerSkipped", "TorchCompileFusedRunner"]
 
 RUNNERS: dict[str, type[Runner]] = {cls.name: cls for cls in (
-    GraphZeroRunner, GraphZeroEagerRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward,
+    GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroEagerRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward,
     DDPRunner, FSDP2Runner, TorchCompileFusedRunner, DeepCompileRunner)}

@@ -117,6 +117,8 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
     name = "graphzero-inductor"
     compiled = True
     inner: ClassVar[str] = "inductor"
+    # graphzero's optimizer-step options (README): the defaults unless a variant below sets them
+    step_options: ClassVar[dict[str, bool]] = {}
 
     def setup(self) -> None:
         import graphzero  # noqa: F401  (importing registers the backend)
@@ -128,7 +130,7 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
         def step(*batch):
             return loss_fn(parts, *batch)
 
-        options: dict[str, Any] = {"engines": dict(self.engines), "inner": self.inner}
+        options: dict[str, Any] = {"engines": dict(self.engines), "inner": self.inner, **self.step_options}
         self._dump_dir = None
         if self.ctx.stage == 3:
             self._dump_dir = tempfile.mkdtemp(prefix=f"graphzero-compare-{self.name}-")
@@ -186,6 +188,21 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
 class GraphZeroEagerRunner(GraphZeroRunner):
     name = "graphzero-eager"
     inner = "eager"
+
+
+class GraphZeroDeferredRunner(GraphZeroRunner):
+    """graphzero-inductor with ``defer_param_gather``: the lean step leaves the parameter
+    all-gather in flight and the next compiled forward waits for it."""
+
+    name = "graphzero-deferred"
+    step_options: ClassVar[dict[str, bool]] = {"defer_param_gather": True}
+
+
+class GraphZeroDeepSpeedStepRunner(GraphZeroRunner):
+    """graphzero-inductor with ``lean_step=False``: DeepSpeed's own ``optimizer.step()``."""
+
+    name = "graphzero-ds-step"
+    step_options: ClassVar[dict[str, bool]] = {"lean_step": False}
 
 
 class DeepCompileRunner(DeepSpeedEngineBackward):

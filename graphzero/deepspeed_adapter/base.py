@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import rank_agreement, retrace
+from .. import local_accumulation, rank_agreement, retrace
 from ..errors import NoGradientError, UnsupportedConfigError
+from ..local_accumulation import LocalAccumulator
 from ..ownership import FlatGroup, ParamSet
 
 log = logging.getLogger("graphzero")
@@ -118,7 +119,7 @@ class DeepSpeedBinding:
         rank = dist.get_rank(group=pg)
         if rank < 0:
             raise UnsupportedConfigError(f"engine {self.name!r}: this rank is not in its data-parallel group")
-        return ParamSet(
+        ps = ParamSet(
             name=self.name, stage=engine.zero_optimization_stage(), groups=tuple(groups), process_group=pg,
             group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
             world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
@@ -126,6 +127,19 @@ class DeepSpeedBinding:
             grad_scale=1.0 / (world * engine.gradient_accumulation_steps()),
             backend=str(dist.get_backend(pg)), sinks=self._backward_sinks, mark_present=self.mark_present,
             runtime_scale=self.runtime_scale)
+        if ps.stage == 1:
+            # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at
+            # the gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 reduces every
+            # micro-step. gas is read when a graph is compiled and the boundary per backward.
+            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local,
+                                        flush=self._flush_local, at_boundary=engine.is_gradient_accumulation_boundary)
+            ps.defers_reduction = lambda: engine.gradient_accumulation_steps() > 1
+            ps.at_boundary = engine.is_gradient_accumulation_boundary
+        return ps
+
+    def _received_local(self) -> None:
+        # a window's gradient kept locally is still a gradient for step() (the NoGradientError check)
+        self.received_gradient = True
 
     def _process_groups(self) -> list:
         return list(self.engine.optimizer.real_dp_process_group)
@@ -182,13 +196,11 @@ class DeepSpeedBinding:
 
         def zero_engine(*args, **kwargs):
             engine_zero_grad(*args, **kwargs)
-            self.drop_sinks()
-            self.received_gradient = False
+            self._forget_gradients()
 
         def zero_optimizer(*args, **kwargs):
             optimizer_zero_grad(*args, **kwargs)
-            self.drop_sinks()
-            self.received_gradient = False
+            self._forget_gradients()
 
         engine_step = engine.step
 
@@ -201,6 +213,8 @@ class DeepSpeedBinding:
                     f"engine {self.name!r}: step() at a gradient-accumulation boundary, but no backward since "
                     "its last optimizer step reached its parameters; skip this engine's step() when the "
                     "loss does not use it")
+            if boundary:
+                self._flush_local()
             out = engine_step(*args, **kwargs)
             if boundary:
                 self.received_gradient = False
@@ -239,13 +253,46 @@ class DeepSpeedBinding:
         opt.__dict__.pop("zero_grad", None)
         if self._had_grad_acc_hooks:
             self._restore_grad_hooks()
-        self.drop_sinks()
+        self._forget_gradients()
         if getattr(engine, _BINDING_ATTR, None) is self:
             delattr(engine, _BINDING_ATTR)
         # Graphs compiled while attached still own these parameters: they refuse to run
         # (ParamSet.detached), and Dynamo compiles the step again on its next call.
         self.param_set.detached = True
         torch._dynamo.reset_code_caches()
+
+    def _forget_gradients(self) -> None:
+        """``zero_grad``: drop the accumulated shards and the window's local sums, as DeepSpeed
+        eager drops ``.grad``."""
+        self.drop_sinks()
+        if self.param_set.local is not None:
+            self.param_set.local.clear()
+        self.received_gradient = False
+
+    @torch.no_grad()
+    def _flush_local(self) -> None:
+        """At the boundary ``step()``: reduce the window's local sums that no boundary backward
+        reduced (parameters the boundary micro-step did not reach, or eager-safety-net gradients),
+        before the optimizer reads its shards. Usually nothing is left."""
+        ps, local = self.param_set, self.param_set.local
+        if local is None or not local.pending:
+            return
+        pending = sorted(local.pending)
+        what = f"engine {self.name!r}: local gradient sums left at the accumulation boundary"
+        rank_agreement.agree(rank_agreement.fingerprint(("local-flush", self.name, pending)), ps.process_group, what)
+        device = ps.groups[0].params[0].device
+        bufs, sinks = local.buffers(device), self._backward_sinks()
+        for g in sorted({g for g, _ in pending}):
+            group = ps.groups[g]
+            # Ranges reduced earlier in the window were zeroed then, so the whole buffer can go.
+            flat = bufs[g].to(ps.comm_dtype)
+            with rank_agreement.collective_failures(what):
+                dist.all_reduce(flat, group=ps.process_group)
+            shard = group.shard_numel(ps.world_size)
+            lo = ps.rank * shard if group.sharded else 0
+            sinks[g].add_(flat[lo:lo + shard].to(sinks[g].dtype))
+        self.mark_present([ps.groups[g].params[k] for g, k in pending])
+        local.reduced(pending)
 
     # -- safety net for gradients computed outside graphzero's graphs ---------------------------
     @torch.no_grad()
@@ -266,8 +313,26 @@ class DeepSpeedBinding:
         ps = self.param_set
         g, k = ps.locate(param)
         group = ps.groups[g]
-        grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
         what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
+        scale = self.runtime_scale()
+        if ps.local is not None and ps.defers_reduction():
+            # ZeRO-1 with gas > 1: as in the compiled graphs, keep non-boundary micro-steps local
+            # and reduce the window's sum at the boundary (the exchange below still catches ranks
+            # that disagree on the boundary).
+            start = group.offsets[k]
+            mine = ps.local.buffers(param.device)[g][start:start + param.numel()]
+            mine.add_(param.grad.detach().reshape(-1).to(mine.dtype), alpha=scale)
+            if not ps.at_boundary():
+                rank_agreement.agree(rank_agreement.fingerprint(("eager-local", self.name, g, k)),
+                                     ps.process_group, what)
+                ps.local.accumulated([(g, k)])
+                param.grad = None
+                return
+            local_accumulation.flush_after_this_backward()
+            grad, scale = mine.to(ps.comm_dtype, copy=True), 1.0
+            ps.local.reduced([(g, k)])
+        else:
+            grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
         rank_agreement.agree(rank_agreement.fingerprint(("eager", self.name, g, k)), ps.process_group, what)
         with rank_agreement.collective_failures(what):
             dist.all_reduce(grad, group=ps.process_group)
@@ -277,7 +342,7 @@ class DeepSpeedBinding:
         hi = lo + group.shard_numel(ps.world_size)
         a, b = max(start, lo), min(start + n, hi)
         if a < b:
-            sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=self.runtime_scale())
+            sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=scale)
         self.mark_present([param])
         param.grad = None
 
