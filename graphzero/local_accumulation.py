@@ -17,7 +17,6 @@ knows about DeepSpeed: the adapter creates one per engine and says when a window
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -86,7 +85,10 @@ class LocalAccumulator:
 
 
 _ORDER = itertools.count()
-_WITH_PENDING: weakref.WeakSet[LocalAccumulator] = weakref.WeakSet()
+# Accumulators with sums not yet reduced. Strong references, removed when a window ends (reduced,
+# clear): with weak ones an engine dropped mid-window would vanish on one rank's garbage collection
+# and not another's, and only some ranks would run its flush's collectives (a hang).
+_WITH_PENDING: set[LocalAccumulator] = set()
 
 
 def flush_at_boundary() -> None:
