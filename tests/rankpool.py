@@ -48,6 +48,9 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) ->
             # them; a user process that never resets keeps it from `import graphzero` on.
             if "graphzero" in sys.modules:
                 sys.modules["graphzero"].early_attach.install()
+                # A scenario that fails on purpose (ranks that disagree) can leave ZeRO-1 window sums
+                # pending on one rank only; the next scenario's first backward would flush them there alone.
+                sys.modules["graphzero.local_accumulation"]._WITH_PENDING.clear()
     import torch.distributed as dist
     dist.destroy_process_group()
 
