@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .errors import WorldMismatchError
-
-if TYPE_CHECKING:
-    from .local_accumulation import LocalAccumulator
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +90,8 @@ class ParamSet:
     # every micro-step. defers_reduction() (read at compile time: gas > 1) says whether graphs
     # compiled now keep non-boundary micro-steps local; at_boundary() (read per backward) whether
     # this micro-step ends the accumulation window.
-    local: LocalAccumulator | None = None
+    # a local_accumulation.LocalAccumulator (not imported: it builds on this module's FlatGroup)
+    local: Any = None
     defers_reduction: Callable[[], bool] = lambda: False
     at_boundary: Callable[[], bool] = lambda: True
 

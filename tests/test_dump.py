@@ -64,10 +64,11 @@ def test_dump_summary_matches_models_and_cli_renders_it(ranks):
         assert 4 * numel <= e["comm_bytes_per_step"] < 4 * numel + 4 * 64, e
         assert e["comm_bytes_by_dtype"] == {"float32": e["comm_bytes_per_step"]}
     passes = [p["name"] for p in graph["passes"]]
-    assert passes == ["annotate_owner", "bucket", "insert_reduce_scatter", "fp32_accumulate", "schedule_overlap"]
+    assert passes == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter", "fp32_accumulate",
+                      "schedule_overlap"]
     inserted = {n["engine"] for p in graph["passes"] for n in p["inserted"]}
     assert inserted == {"generator", "critic"}
-    code = (root / graph["id"] / "backward" / "005_schedule_overlap.py").read_text()
+    code = (root / graph["id"] / "backward" / "006_schedule_overlap.py").read_text()
     assert code.count("reduce_scatter_tensor") >= 2 and "graphzero_sink_critic_0" in code
 
     table = cli(str(root))
