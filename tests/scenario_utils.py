@@ -29,6 +29,14 @@ def gan_loss(models, z, real):
     return -disc(gen(z)).mean() + disc(real).mean()
 
 
+def two_engine_loss(models, x, with_critic: bool):
+    """Actor, plus the critic where with_critic (rank-dependent in the rank-agreement tests)."""
+    loss = models["actor"](x).square().mean()
+    if with_critic:  # rank-dependent Python: a different graph on one rank
+        loss = loss + models["critic"](x).square().mean()
+    return loss
+
+
 def mlp(width_in: int, hidden: int, width_out: int, depth: int = 2) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Linear(width_in, hidden), nn.GELU()]
     for _ in range(depth - 2):

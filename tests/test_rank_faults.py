@@ -16,14 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rankpool import RankPool
-from scenario_utils import data, ds_config, engine, mlp, rank_world
-
-
-def two_engine_loss(models, x, with_critic: bool):
-    loss = models["actor"](x).square().mean()
-    if with_critic:  # rank-dependent Python: a different graph on one rank
-        loss = loss + models["critic"](x).square().mean()
-    return loss
+from scenario_utils import data, ds_config, engine, mlp, rank_world, two_engine_loss
 
 
 def disagreement_scenario(kind: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scenario_utils import data, ds_config, engine, mlp, rank_world
+from scenario_utils import data, ds_config, engine, mlp, rank_world, two_engine_loss
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,13 +18,6 @@ def fresh_ranks_after(ranks):
     # ZeRO-3 initialisation patches torch.nn.functional.linear process-wide.
     yield
     ranks.close()
-
-
-def two_engine_loss(models, x, with_critic: bool):
-    loss = models["actor"](x).square().mean()
-    if with_critic:  # rank-dependent Python: a different graph on one rank
-        loss = loss + models["critic"](x).square().mean()
-    return loss
 
 
 def forward_disagreement_scenario(inner: str) -> str:
