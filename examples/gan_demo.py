@@ -21,7 +21,7 @@ import deepspeed
 import torch.distributed as dist
 from torch import nn
 
-import graphzero  # noqa: F401  (registers the backend; the entry point does too)
+import graphzero
 
 
 def mlp(width_in: int, hidden: int, width_out: int) -> nn.Sequential:
@@ -56,10 +56,8 @@ def main() -> None:
         # One loss across two engines; the discriminator runs twice.
         return nn.functional.softplus(-disc(gen(z))).mean() + nn.functional.softplus(disc(real)).mean()
 
-    options = {"engines": {"gen": gen, "disc": disc}, "inner": args.inner}
-    if args.dump_dir:
-        options["dump_dir"] = args.dump_dir
-    step = torch.compile(step, backend="graphzero", options=options)
+    # graphzero.backend(...) attaches both engines now; graphzero's graph reduces them from the first call.
+    step = torch.compile(step, backend=graphzero.backend(gen=gen, disc=disc, inner=args.inner, dump_dir=args.dump_dir))
 
     g = torch.Generator().manual_seed(1234 + rank)
     real_mean = torch.linspace(-1, 1, features)

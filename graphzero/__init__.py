@@ -1,6 +1,6 @@
 """graphzero: compile-time ZeRO gradient handling for DeepSpeed engines sharing one loss.
 
-    step = torch.compile(step, backend="graphzero", options={"engines": {"gen": gen, "disc": disc}})
+    step = torch.compile(step, backend=graphzero.backend(gen=gen, disc=disc))
     step(z, real).backward()        # each engine now holds its reduced fp32 gradient shard
     gen.step(); disc.step()
 """
@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import (
     AccelerateError,
+    AttachTooLateError,
     AutogradUsageError,
     GraphZeroError,
     NoGradientError,
@@ -31,13 +32,14 @@ from .versions import check_versions
 check_versions()
 
 from . import deepspeed_adapter, early_attach
-from .backend import graphzero_backend
+from .bound_backend import GraphZeroBackend, backend
+from .compiler import graphzero_backend
 from .options import Options
 
-__all__ = ["AccelerateError", "AutogradUsageError", "GraphZeroError", "NoGradientError", "NotAnEngineError",
+__all__ = ["AccelerateError", "AttachTooLateError", "AutogradUsageError", "GraphZeroBackend", "GraphZeroError", "NoGradientError", "NotAnEngineError",
            "OptionError", "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
            "VersionError",
-           "WorldMismatchError", "attach", "detach", "graphzero_backend", "wait_params"]
+           "WorldMismatchError", "attach", "backend", "detach", "graphzero_backend", "wait_params"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import fx
 from torch._logging import trace_structured
 
-from . import retrace
 from .options import Options
 from .ownership import Ownership
 from .passes import PassContext
@@ -48,8 +47,7 @@ class GraphDump:
         self.graph_id = graph_id
         self.inner = inner
         self.passes: list[dict[str, Any]] = []
-        self.breaks_at_compile = retrace.graph_breaks()
-        self.generation = retrace.generation()
+        self.breaks_at_compile = _graph_breaks()
         self._stage = 0
         self.extra: dict[str, Any] = {}
 
@@ -68,7 +66,6 @@ class GraphDump:
         """The dump of one backward variant (variants.py) of this graph: its own graph record
         ``<graph id>-<label>`` (and directory), marked with ``variant`` and ``variant_of``."""
         dump = GraphDump(self.root, f"{self.graph_id}-{label}", self.inner)
-        dump.generation = self.generation
         dump.breaks_at_compile = self.breaks_at_compile
         dump.extra = {"variant": label, "variant_of": self.graph_id}
         return dump
@@ -132,7 +129,7 @@ class GraphDump:
                 "world_size": ps.world_size, "collective_group": ps.group_name,
             }
         record = {"id": self.graph_id, "graph_breaks": self.breaks_at_compile, "inner": self.inner,
-                  "generation": self.generation, "passes": self.passes, "engines": engines, **self.extra}
+                  "passes": self.passes, "engines": engines, **self.extra}
         for name, e in engines.items():
             log.info("graph %s engine %r: %d params, %d buckets, %d reduce-scatter, %d all-reduce, %d B/step",
                      self.graph_id, name, e["params"], e["buckets"], e["reduce_scatter"], e["all_reduce"],
@@ -155,14 +152,18 @@ class GraphDump:
         if not summary or summary.get("run_id") != _RUN_ID:
             summary = {"format": FORMAT_VERSION, "graphzero_version": _version(), "run_id": _RUN_ID,
                        "world_size": _world(), "rank": _rank(), "graphs": []}
-        # Graphs compiled before a re-trace (retrace.py) no longer run: leave them out.
-        summary["graphs"] = [g for g in summary["graphs"]
-                             if g["id"] != record["id"] and g.get("generation", 0) >= record["generation"]] + [record]
-        summary["graph_breaks"] = retrace.graph_breaks()
+        summary["graphs"] = [g for g in summary["graphs"] if g["id"] != record["id"]] + [record]
+        summary["graph_breaks"] = _graph_breaks()
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, path)
         log.info("graphzero dump: %s", path)
+
+
+def _graph_breaks() -> int:
+    """Dynamo's graph breaks so far in this process (since the last ``torch._dynamo.utils.counters.clear()``)."""
+    import torch
+    return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
 
 
 def _full_numel(owned) -> int:

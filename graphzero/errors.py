@@ -70,3 +70,9 @@ class VersionError(GraphZeroError, ImportError):
         self.package = package
         self.version = version
         self.tested = tested
+
+
+class AttachTooLateError(GraphZeroError):
+    """``options["engines"]`` names engines that were not attached before Dynamo traced the step
+    (graphzero's compile-start callback was removed): the first step may already have run through
+    DeepSpeed's own hooks. Names the engines and what to do."""

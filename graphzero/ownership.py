@@ -77,8 +77,6 @@ class ParamSet:
     # The factor applied to this backward's reduced sum: normally grad_scale = 1/(world*gas); the
     # adapter may say otherwise per call (e.g. the loss was already divided by gas).
     runtime_scale: Callable[[], float] | None = None
-    # set when the engine was attached mid-compile; see retrace.py
-    retrace_pending: bool = False
     # set by detach: graphs compiled while attached must not run any more
     detached: bool = False
     # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as

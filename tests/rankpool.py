@@ -44,10 +44,9 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) ->
             torch._dynamo.reset()
             # reset() keeps Dynamo's counters: a scenario's graph breaks must not show in the next one's dump
             torch._dynamo.utils.counters.clear()
-            # reset() also drops Dynamo's compile-start callbacks, graphzero's early attach among
-            # them; a user process that never resets keeps it from `import graphzero` on.
+            # reset() clears Dynamo's compile-start callbacks but keeps graphzero's early attach:
+            # every scenario after the first runs right after a reset, as a notebook would.
             if "graphzero" in sys.modules:
-                sys.modules["graphzero"].early_attach.install()
                 # A scenario that fails on purpose (ranks that disagree) can leave ZeRO-1 window sums
                 # pending on one rank only; the next scenario's first backward would flush them there alone.
                 sys.modules["graphzero.local_accumulation"]._WITH_PENDING.clear()

@@ -60,7 +60,7 @@ class _NoWaits:
     """Removes every wait on deferred parameters: the wait_params pass and the module hooks."""
 
     def __init__(self, engines) -> None:
-        from graphzero import backend
+        from graphzero import compiler as backend
         self.backend = backend
         self.pipeline = backend.FORWARD_PIPELINE
         backend.FORWARD_PIPELINE = tuple(p for p in self.pipeline if p.__name__ != "wait_params")

@@ -235,3 +235,39 @@ def unused_engine_scenario() -> dict:
 def test_loss_that_does_not_use_a_listed_engine(ranks):
     results = ranks.run(unused_engine_scenario)
     assert all(r == {"warned": True, "idle_untouched": True} for r in results), results
+
+
+def backend_object_misuse_scenario() -> list[str]:
+    """graphzero.backend(...): a keyword that is neither an option nor an engine, engines given two
+    ways, an option given to both the object and torch.compile, and an engine detached after the
+    object was made: each a named error on every rank, before anything runs."""
+    rank, _ = rank_world()
+    eng = engine(mlp(4, 8, 2), ds_config(2))
+    messages = []
+    with pytest.raises(graphzero.OptionError) as info:
+        graphzero.backend(critic=eng, bucket_sise=1000)
+    messages.append(str(info.value))
+    with pytest.raises(graphzero.OptionError) as info:
+        graphzero.backend(eng, engines=[eng])
+    messages.append(str(info.value))
+    be = graphzero.backend(critic=eng, inner="eager")
+    assert graphzero.deepspeed_adapter.binding_of(eng) is not None  # attached by the constructor
+    step = torch.compile(loss_of, backend=be, options={"inner": "inductor"})
+    with pytest.raises(graphzero.OptionError) as info:
+        step({"critic": eng}, *data(0, rank, (2, 4)))
+    messages.append(str(info.value))
+    torch._dynamo.reset()
+    graphzero.detach(eng)
+    with pytest.raises(graphzero.AttachTooLateError) as info:
+        torch.compile(loss_of, backend=be)({"critic": eng}, *data(0, rank, (2, 4)))
+    messages.append(str(info.value))
+    dist.barrier()
+    return messages
+
+
+def test_backend_object_misuse_is_named(ranks):
+    for messages in ranks.run(backend_object_misuse_scenario):
+        assert "bucket_sise=int" in messages[0] and "neither a DeepSpeed engine nor an option" in messages[0]
+        assert "engines=" in messages[1]
+        assert "'inner'" in messages[2] and "torch.compile(options=...)" in messages[2]
+        assert "['critic']" in messages[3] and "detached" in messages[3]

@@ -18,9 +18,12 @@ from scenario_utils import (
     Reference,
     assert_grads_close,
     assert_no_full_grads,
+    data,
     ds_config,
     engine,
     full_grads,
+    gan_loss,
+    mlp,
     rank_world,
 )
 
@@ -83,12 +86,17 @@ def first_step_scenario(shape: str, stage: int, how: str, inner: str = "eager", 
     counter = ReductionCounter(*engines)
     if how == "attach":
         graphzero.attach(*engines)
+    if how == "reset":
+        torch._dynamo.reset()   # as notebooks and test suites do; graphzero's callback survives it
+    if how == "backend":
+        settings = {"backend": graphzero.backend(*engines, inner=inner)}
+    else:
+        settings = {"backend": "graphzero", "options": {"engines": engines, "inner": inner}}
     if shape == "method":
-        ensemble = Ensemble(engines)
-        compiled = torch.compile(ensemble, backend="graphzero", options={"engines": engines, "inner": inner})
+        compiled = torch.compile(Ensemble(engines), **settings)
         call = compiled
     else:
-        compiled = torch.compile(SHAPES[shape], backend="graphzero", options={"engines": engines, "inner": inner})
+        compiled = torch.compile(SHAPES[shape], **settings)
 
         def call(x, y):
             return compiled(engines, x, y)
@@ -104,7 +112,18 @@ def first_step_scenario(shape: str, stage: int, how: str, inner: str = "eager", 
     counters.clear()
     norms = []
     for t in range(steps):
-        call(*batch(t, rank)).backward()
+        if how == "no_hook" and t == 0:
+            # Without the compile-start callback the engines are still DeepSpeed's when Dynamo traces:
+            # the first call must refuse (on every rank), never train a wrong first step.
+            graphzero.early_attach.uninstall()
+            try:
+                call(*batch(t, rank)).backward()
+            except graphzero.AttachTooLateError as err:
+                return {"error": type(err).__name__, "message": str(err)}
+            finally:
+                graphzero.early_attach.install()
+        else:
+            call(*batch(t, rank)).backward()
         assert_no_full_grads(*engines)
         ref.accumulate(ref_loss, [batch(t, r) for r in range(world)])
         for i, e in enumerate(engines):
@@ -116,7 +135,7 @@ def first_step_scenario(shape: str, stage: int, how: str, inner: str = "eager", 
             torch.testing.assert_close(float(e.get_global_grad_norm()), ref.norms[f"m{i}"], rtol=1e-4, atol=1e-6)
         norms.append([float(e.get_global_grad_norm()) for e in engines])
     assert counter.total == 0, f"DeepSpeed's own reduction ran: {counter.calls}"
-    return {"graphs": counters["stats"]["unique_graphs"], "breaks": int(sum(counters["graph_break"].values())),
+    return {"error": None, "graphs": counters["stats"]["unique_graphs"], "breaks": int(sum(counters["graph_break"].values())),
             "norms": norms}
 
 
@@ -131,3 +150,74 @@ def test_first_step_options_equals_attach_first(ranks, stage):
     from_options = ranks.run(first_step_scenario, "comprehension", stage, "options", inner="inductor")
     attached = ranks.run(first_step_scenario, "comprehension", stage, "attach", inner="inductor")
     assert [r["norms"] for r in from_options] == [r["norms"] for r in attached]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_backend_object_first_step_exact(ranks, shape, stage):
+    """graphzero.backend(...) attaches in its constructor: one graph, exact from the first step."""
+    results = ranks.run(first_step_scenario, shape, stage, "backend")
+    # ZeRO-3 compiles a second graph (the engine's own forward frame); exactness is checked in the scenario
+    assert all(r["graphs"] == (1 if stage < 3 else 2) and r["breaks"] == 0 for r in results), results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_options_first_step_exact_after_dynamo_reset(ranks, shape, stage):
+    """torch._dynamo.reset() right before the compile keeps graphzero's compile-start callback."""
+    results = ranks.run(first_step_scenario, shape, stage, "reset")
+    # ZeRO-3 compiles a second graph (the engine's own forward frame); exactness is checked in the scenario
+    assert all(r["graphs"] == (1 if stage < 3 else 2) and r["breaks"] == 0 for r in results), results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_options_without_compile_start_hook_refuse_on_every_rank(ranks, shape, stage):
+    """With the callback removed the first call is a named error on every rank, never a first step
+    traced through DeepSpeed's hooks."""
+    results = ranks.run(first_step_scenario, shape, stage, "no_hook")
+    assert [r["error"] for r in results] == ["AttachTooLateError"] * len(results), results
+    assert "engine0" in results[0]["message"] and "graphzero.backend" in results[0]["message"]
+
+
+def zero3_gan_after_reset_scenario(how: str, steps: int = 3) -> dict:
+    """The reported case: a GAN, both engines at ZeRO-3 (plain nn.Sequential MLPs),
+    ``torch._dynamo.reset()``, then ``backend="graphzero"`` with ``options["engines"]``."""
+    import graphzero
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    models = {"gen": mlp(8, 16, 8), "disc": mlp(8, 16, 1)}
+    ref = Reference(models)
+    cfg = ds_config(3)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engines = {name: engine(m, cfg) for name, m in models.items()}
+    torch._dynamo.reset()
+    if how == "no_hook":
+        graphzero.early_attach.uninstall()
+    try:
+        step = torch.compile(gan_loss, backend="graphzero", options={"engines": engines, "inner": "eager"})
+        for t in range(steps):
+            try:
+                step(engines, *data(t, rank, (4, 8), (4, 8))).backward()
+            except graphzero.AttachTooLateError as err:
+                return {"error": type(err).__name__, "step": t, "attached": graphzero.deepspeed_adapter.binding_of(
+                    engines["gen"]) is not None}
+            ref.accumulate(gan_loss, [data(t, r, (4, 8), (4, 8)) for r in range(world)])
+            for name, eng in engines.items():
+                assert_grads_close(full_grads(eng), ref.grads(name), **GRAD_TOL, what=f"step {t} {name}")
+                eng.step()
+            ref.step()
+            for name, eng in engines.items():
+                torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
+    finally:
+        graphzero.early_attach.install()
+    return {"error": None}
+
+
+def test_zero3_gan_options_exact_after_dynamo_reset(ranks):
+    assert [r["error"] for r in ranks.run(zero3_gan_after_reset_scenario, "reset")] == [None, None]
+
+
+def test_zero3_gan_options_without_hook_is_a_named_error(ranks):
+    results = ranks.run(zero3_gan_after_reset_scenario, "no_hook")
+    assert results == [{"error": "AttachTooLateError", "step": 0, "attached": False}] * 2, results

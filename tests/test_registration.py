@@ -20,7 +20,7 @@ def test_entry_point_makes_backend_visible_without_import():
                      "import graphzero\n"                      # importing afterwards must not re-register
                      "assert lookup_backend('graphzero') is fn\n")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "graphzero.backend graphzero_backend"
+    assert out.stdout.strip() == "graphzero.compiler graphzero_backend"
 
 
 def test_compile_without_engines_is_plain_autograd():

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import local_accumulation, rank_agreement, retrace
+from .. import local_accumulation, rank_agreement
 from ..errors import NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..ownership import FlatGroup, ParamSet
@@ -305,7 +305,6 @@ class DeepSpeedBinding:
         """
         if param.grad is None:
             return
-        retrace.maybe_reset([self.param_set])
         if not self._warned_eager:
             log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
                         "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)

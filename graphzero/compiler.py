@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreement, retrace, variants
+from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreement, variants
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
-from .errors import GraphZeroError, UnsupportedConfigError
+from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
@@ -39,18 +38,17 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         # never run and every owned gradient would take the slow eager safety net.
         raise UnsupportedConfigError("torch._dynamo.config.compiled_autograd=True is not supported with graphzero")
     if opts.engines:
-        new = [engine for _, engine in opts.engines if deepspeed_adapter.binding_of(engine) is None]
-        if new:
-            # Normally early_attach has attached them before tracing; this compile started without
-            # its callback (torch._dynamo.reset() clears it), so re-trace this frame instead.
-            log.warning("graphzero attached engine(s) %s only after Dynamo traced part of the step; "
-                        "call graphzero.attach(...) before the first call to rule out a first step "
-                        "traced through DeepSpeed's hooks", [n for n, e in opts.engines if e in new])
-            bindings = deepspeed_adapter.attach(opts.engines, **opts.step_settings)
-            retrace.request(b.param_set for b in bindings if b.engine in new)
-            _forget_speculation()
-            raise RetraceAfterAttach(restart_reason="graphzero attached its engines; re-tracing without "
-                                                    "DeepSpeed's forward hooks")
+        late = [name for name, engine in opts.engines if deepspeed_adapter.binding_of(engine) is None]
+        if late:
+            # Normally the engines were attached before tracing (graphzero.backend(...), graphzero.attach,
+            # or early_attach's compile-start callback). Without that, Dynamo may have run parts of this
+            # first call through DeepSpeed's own hooks: refuse, on every rank, rather than compile a
+            # first step that differs from every later one.
+            raise AttachTooLateError(
+                f"engine(s) {late} in options['engines'] were not attached before Dynamo traced the step "
+                "(graphzero's compile-start callback is not installed). Use torch.compile(step, "
+                "backend=graphzero.backend(...engines..., **options)), or call graphzero.attach(...) before the "
+                "first call")
         bindings = deepspeed_adapter.attach(opts.engines, **opts.step_settings)
     else:
         bindings = []
@@ -75,24 +73,6 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         if opts.inner == "eager":
             return _compile_eager(gm, example_inputs, transform)
         return _compile_inductor(gm, example_inputs, transform)
-
-
-class RetraceAfterAttach(TensorifyScalarRestartAnalysis):
-    """Raised once, by the first compile that attaches engines named in ``options``.
-
-    Dynamo traced that frame before the backend could attach, i.e. through DeepSpeed's forward
-    hooks (timers, output hooks that break the graph). Dynamo re-raises this family of restart
-    exceptions from a backend and traces the frame again, now without those hooks.
-    """
-
-
-def _forget_speculation() -> None:
-    # The re-trace takes a different path (no hooks), which Dynamo would otherwise report as a
-    # diverged speculation log.
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    tx = InstructionTranslator.current_tx()
-    if tx is not None:
-        tx.speculation_log.clear()
 
 
 def _attached_bindings(example_inputs: Sequence[Any]) -> list:
@@ -246,7 +226,6 @@ class BackwardWithRuntimeInputs:
         if detached:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
                                  "call torch._dynamo.reset() or compile the step again")
-        retrace.maybe_reset(self.param_sets)
         accumulating = self.probe.accumulating()
         buffers, scales, local = {}, {}, {}
         for ps in self.param_sets:
