@@ -70,3 +70,13 @@ class VersionError(GraphZeroError, ImportError):
         self.package = package
         self.version = version
         self.tested = tested
+
+
+class InstallError(GraphZeroError):
+    """Attaching to an engine failed part-way; everything graphzero had changed on it is restored
+    (the patch ledger), and the engine is not attached. The cause is chained (``__cause__``)."""
+
+
+class InternalsError(GraphZeroError):
+    """A torch or DeepSpeed internal graphzero relies on is missing or failed unexpectedly; the
+    message names it and the installed versions."""

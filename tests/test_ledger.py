@@ -5,6 +5,8 @@ Unit tests of `PatchLedger` on plain objects, modules and tensors (no DeepSpeed)
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -157,3 +159,150 @@ def test_nested_ledger():
     inner.set_attr(t, "b", 3)
     outer.undo()
     assert "a" not in vars(t) and "b" not in vars(t)
+
+
+# -- detach gives back exactly the engine attach received ------------------------------------------
+# Multi-rank scenarios on real DeepSpeed engines (2 gloo ranks), one per optimizer family and stage.
+
+FAMILIES = {  # name -> (ds_config kwargs, the binding kind graphzero picks)
+    "zero1": ({"stage": 1}, "zero"),
+    "zero2": ({"stage": 2}, "zero"),
+    "bf16_zero1": ({"stage": 1, "dtype": "bf16"}, "bf16"),
+    "zero3": ({"stage": 3}, "zero3"),
+}
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _shallow(value):
+    """A container's items (their objects, not copies); any other value as itself."""
+    if isinstance(value, dict):
+        return ("dict", type(value), list(value.items()))
+    if isinstance(value, (list, tuple)):
+        return ("seq", type(value), list(value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", type(value), {id(v): v for v in value})
+    return ("obj", value)
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _SCALARS):
+        return a == b
+    if isinstance(a, tuple) and len(a) == len(b):   # _shallow's records
+        return all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, list) and len(a) == len(b):
+        return all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and list(a) == list(b):
+        return all(_same(a[k], b[k]) for k in a)
+    return False
+
+
+def _tensor_record(t: torch.Tensor) -> dict:
+    rec = {k: _shallow(v) for k, v in vars(t).items()}
+    rec["<requires_grad>"] = ("obj", t.requires_grad)
+    rec["<grad>"] = ("obj", t.grad)
+    rec["<post_accumulate_grad_hooks>"] = _shallow(t._post_accumulate_grad_hooks)
+    rec["<backward_hooks>"] = _shallow(t._backward_hooks)
+    return rec
+
+
+def _snapshot(eng) -> dict[str, dict]:
+    """Everything graphzero could patch: the engine's, its optimizer's, every submodule's and every
+    parameter's attributes (hook dicts and lists item by item), DeepSpeed's ZeRO-3 globals."""
+    from deepspeed.runtime.zero import parameter_offload
+    opt = eng.optimizer
+    snap = {"engine": {k: _shallow(v) for k, v in vars(eng).items()},
+            "optimizer": {k: _shallow(v) for k, v in vars(opt).items()}}
+    if hasattr(opt, "parameter_offload"):
+        snap["parameter_offload"] = {k: _shallow(v) for k, v in vars(opt.parameter_offload).items()}
+    for name, module in eng.module.named_modules():
+        snap[f"module {name!r}"] = {k: _shallow(v) for k, v in vars(module).items()}
+    for name, p in eng.module.named_parameters():
+        snap[f"parameter {name!r}"] = _tensor_record(p)
+        if getattr(p, "ds_tensor", None) is not None:
+            snap[f"shard {name!r}"] = _tensor_record(p.ds_tensor)
+    snap["globals"] = {"F.linear": ("obj", torch.nn.functional.linear),
+                       "FWD_MODULE_STACK": _shallow(list(parameter_offload.FWD_MODULE_STACK))}
+    return snap
+
+
+def _assert_same_snapshot(before: dict, after: dict, what: str) -> None:
+    assert list(before) == list(after), f"{what}: objects differ"
+    diffs = []
+    for obj, attrs in before.items():
+        other = after[obj]
+        if set(attrs) != set(other):
+            diffs.append(f"{obj}: attributes added {sorted(set(other) - set(attrs))}, "
+                         f"removed {sorted(set(attrs) - set(other))}")
+        diffs += [f"{obj}.{k}: {attrs[k]!r:.200} -> {other[k]!r:.200}"
+                  for k in attrs if k in other and not _same(attrs[k], other[k])]
+    assert not diffs, f"{what}: detach did not give back the engine attach received:\n" + "\n".join(diffs)
+
+
+def _family_engines(family: str):
+    """Two engines of the same family with the same initial weights: one to attach, one never attached."""
+    from scenario_utils import ds_config, engine, mlp
+    kwargs, kind = FAMILIES[family]
+    kwargs = dict(kwargs)
+    cfg = ds_config(kwargs.pop("stage"), **kwargs)
+    dtype = torch.bfloat16 if kwargs.get("dtype") == "bf16" else torch.float32
+    torch.manual_seed(11)
+    model = mlp(8, 16, 4, depth=3).to(dtype)
+    twin = copy.deepcopy(model)
+    eng, ref = engine(model, cfg), engine(twin, cfg)
+    from graphzero.deepspeed_adapter.base import _optimizer_kind
+    assert _optimizer_kind(eng) == kind, (family, type(eng.optimizer).__name__)
+    return eng, ref, dtype
+
+
+def _weights(eng) -> list[torch.Tensor]:
+    """This rank's trained values: the parameters (ZeRO-3: their shards) and the fp32 masters."""
+    out = []
+    for p in eng.module.parameters():
+        out.append((p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p).detach().clone())
+    return out
+
+
+def _eager_steps_match(eng, ref, dtype, steps: int = 2) -> None:
+    """DeepSpeed eager (engine.backward + step) trains the detached engine exactly as an engine
+    graphzero never touched: bitwise-equal weights and gradient norms."""
+    import torch.distributed as dist
+
+    from scenario_utils import ReductionCounter, data
+    rank = dist.get_rank()
+    counter = ReductionCounter(eng)
+    for t in range(steps):
+        (x,) = data(t, rank, (4, 8), dtype=dtype)
+        norms = []
+        for e in (eng, ref):
+            loss = e(x).float().square().mean()
+            e.backward(loss)
+            e.step()
+            norms.append(float(e.get_global_grad_norm()))
+        assert norms[0] == norms[1] and norms[0] > 0, f"eager step {t}: norms {norms}"
+        for a, b in zip(_weights(eng), _weights(ref)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, t=t: f"eager step {t}: {m}")
+    assert counter.total > 0 or eng.zero_optimization_stage() == 3, "DeepSpeed's own reduction did not run"
+
+
+def attach_detach_scenario(family: str) -> None:
+    from graphzero import deepspeed_adapter
+    eng, ref, dtype = _family_engines(family)
+    before = _snapshot(eng)
+    # lean step and deferred gather on: the ZeRO-1/2 binding patches all it can
+    deepspeed_adapter.attach([("net", eng)], lean_step=True, defer_param_gather=True)
+    binding = deepspeed_adapter.binding_of(eng)
+    assert binding is not None and len(binding.ledger) > 0
+    assert "forward" in vars(eng) and "step" in vars(eng)
+    deepspeed_adapter.detach(eng)
+    assert deepspeed_adapter.binding_of(eng) is None and len(binding.ledger) == 0
+    _assert_same_snapshot(before, _snapshot(eng), f"{family}: attach then detach")
+    _eager_steps_match(eng, ref, dtype)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_detach_restores_the_engine(ranks, family):
+    ranks.run(attach_detach_scenario, family)
