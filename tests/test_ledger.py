@@ -306,3 +306,127 @@ def attach_detach_scenario(family: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_detach_restores_the_engine(ranks, family):
     ranks.run(attach_detach_scenario, family)
+
+
+def _fail_at(monkeypatch_target: tuple[object, str], n: int):
+    """Make the n-th call of ``owner.name`` (n >= 1) raise; returns the undo."""
+    owner, name = monkeypatch_target
+    original = vars(owner)[name]
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise RuntimeError(f"injected failure in {name} (call {n})")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, failing)
+    return lambda: setattr(owner, name, original)
+
+
+def failed_install_scenario(family: str, where: str) -> None:
+    """An install that fails midway: the ledger undoes what it did, the engine is not attached, the
+    error is a GraphZeroError naming the engine (the cause chained), and the engine trains as before."""
+    from graphzero import deepspeed_adapter
+    from graphzero.deepspeed_adapter import lean_step, zero3
+    from graphzero.errors import GraphZeroError, InstallError
+    eng, ref, dtype = _family_engines(family)
+    before = _snapshot(eng)
+    if where == "midway":
+        # count the ledger's set_attr calls of a whole install, then fail at half of them
+        deepspeed_adapter.attach([("net", eng)], lean_step=True, defer_param_gather=True)
+        total = sum(e.startswith("set ") for e in deepspeed_adapter.binding_of(eng).ledger.entries())
+        deepspeed_adapter.detach(eng)
+        restore = _fail_at((PatchLedger, "set_attr"), total // 2)
+    elif where == "lean_step":       # the ZeRO-1/2 binding's last install step
+        restore = _fail_at((lean_step.LeanStep, "__init__"), 1)
+    elif where == "zero3_collectives":   # ZeRO-3's own install, after DeepSpeed's hooks are out
+        restore = _fail_at_module_function(zero3, "_no_grad", 4)
+    else:
+        raise AssertionError(where)
+    try:
+        with pytest.raises(GraphZeroError) as info:
+            deepspeed_adapter.attach([("net", eng)], lean_step=True, defer_param_gather=True)
+    finally:
+        restore()
+    err = info.value
+    assert isinstance(err, InstallError), type(err)
+    assert "engine 'net'" in str(err) and "DeepSpeed" in str(err) and "injected failure" in str(err), str(err)
+    assert isinstance(err.__cause__, RuntimeError)
+    assert deepspeed_adapter.binding_of(eng) is None
+    _assert_same_snapshot(before, _snapshot(eng), f"{family}: install failed at {where}")
+    _eager_steps_match(eng, ref, dtype)
+
+
+def _fail_at_module_function(module, name: str, n: int):
+    original = getattr(module, name)
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise RuntimeError(f"injected failure in {name} (call {n})")
+        return original(*args, **kwargs)
+
+    setattr(module, name, failing)
+    return lambda: setattr(module, name, original)
+
+
+@pytest.mark.parametrize("family,where", [
+    ("zero1", "midway"), ("zero2", "lean_step"), ("bf16_zero1", "midway"),
+    ("zero3", "midway"), ("zero3", "zero3_collectives")])
+def test_failed_install_rolls_back(ranks, family, where):
+    ranks.run(failed_install_scenario, family, where)
+
+
+def _patch_view(snap: dict) -> dict:
+    """The part of a snapshot that patches change: functions, methods and hook handles, hook dicts and
+    lists, the flags graphzero sets, tensors' hooks and requires_grad (not training state)."""
+    import types
+
+    from torch.utils.hooks import RemovableHandle
+    kinds = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, RemovableHandle)
+    keep = {"enable_backward_allreduce", "_graphzero_binding", "<requires_grad>"}
+
+    def wanted(key: str, rec) -> bool:
+        return "hook" in key or key in keep or (rec[0] == "obj" and isinstance(rec[1], kinds))
+
+    return {obj: {k: rec for k, rec in attrs.items() if wanted(k, rec)} for obj, attrs in snap.items()}
+
+
+def trained_then_detached_scenario(family: str) -> None:
+    """Attached, trained by graphzero for 2 steps, detached: every patch is gone (the same hooks,
+    methods and flags as before attach), and DeepSpeed eager continues the run as an engine trained
+    by DeepSpeed eager throughout does (within fp32 reduction-order rounding)."""
+    import torch.distributed as dist
+
+    from graphzero import deepspeed_adapter
+    from scenario_utils import data
+    eng, ref, dtype = _family_engines(family)
+    before = _patch_view(_snapshot(eng))
+    rank = dist.get_rank()
+    step = torch.compile(lambda models, x: models["net"](x).float().square().mean(), backend="graphzero",
+                         options={"engines": {"net": eng}, "lean_step": True, "defer_param_gather": True})
+    for t in range(2):
+        (x,) = data(t, rank, (4, 8), dtype=dtype)
+        step({"net": eng}, x).backward()
+        eng.step()
+        ref.backward(ref(x).float().square().mean())
+        ref.step()
+    deepspeed_adapter.detach(eng)
+    _assert_same_snapshot(before, _patch_view(_snapshot(eng)), f"{family}: trained, then detached")
+    for t in range(2, 5):
+        (x,) = data(t, rank, (4, 8), dtype=dtype)
+        norms = []
+        for e in (eng, ref):
+            e.backward(e(x).float().square().mean())
+            e.step()
+            norms.append(float(e.get_global_grad_norm()))
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+        for a, b in zip(_weights(eng), _weights(ref)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, t=t: f"eager step {t}: {m}")
+
+
+@pytest.mark.parametrize("family", ["zero1", "zero2", "zero3"])
+def test_trained_then_detached(ranks, family):
+    ranks.run(trained_then_detached_scenario, family)
