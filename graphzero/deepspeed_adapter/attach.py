@@ -57,6 +57,7 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
         for (name, _), binding in zip(engines, bindings):
             if binding_of(binding.engine) is None:
                 binding.name = binding.param_set.name = name
+                binding.configure_step(lean_step, defer_param_gather)   # the options install() sees
                 binding.install()
                 installed.append(binding)
             binding.name = binding.param_set.name = name

@@ -19,7 +19,7 @@ import torch
 
 from ..ownership import FlatGroup
 from . import lean_step
-from .base import DeepSpeedBinding
+from .base import DeepSpeedBinding, _deepspeed_version
 from .ledger import PatchLedger
 from .param_sync import ParamSync
 
@@ -34,6 +34,8 @@ class ZeroBinding(DeepSpeedBinding):
         # Off unless asked: a parameter list kept across step() is not guarded (param_sync.py).
         self.want_defer = False
         self._step_ledger = PatchLedger(f"engine {name!r} optimizer step")
+        # lean_step.changed_mirrors() at the first install of the step (None: not yet checked)
+        self._mirror_changes: list[str] | None = None
         super().__init__(engine, name)
         self.param_sync = ParamSync(engine, [p for g in self.param_set.groups for p in g.params])
 
@@ -61,6 +63,16 @@ class ZeroBinding(DeepSpeedBinding):
             self.param_sync.wait()
         self._step_ledger.undo()
         if not self.want_lean_step:
+            return
+        if self._mirror_changes is None:
+            # once per binding: the warning below is logged once, and attach runs this per compile
+            self._mirror_changes = lean_step.changed_mirrors()
+            changed = self._mirror_changes
+            if changed:
+                log.warning("engine %r: DeepSpeed's own optimizer step: the DeepSpeed functions graphzero's lean step "
+                            "re-implements are not the ones it was written against (DeepSpeed 0.19.8); changed: %s "
+                            "(installed DeepSpeed %s)", self.name, ", ".join(changed), _deepspeed_version())
+        if self._mirror_changes:
             return
         reason = lean_step.unsupported_reason(self.engine)
         if reason is not None:
