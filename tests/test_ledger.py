@@ -430,3 +430,27 @@ def trained_then_detached_scenario(family: str) -> None:
 @pytest.mark.parametrize("family", ["zero1", "zero2", "zero3"])
 def test_trained_then_detached(ranks, family):
     ranks.run(trained_then_detached_scenario, family)
+
+
+def failed_attach_of_two_scenario() -> None:
+    """attach([a, b]) where b's install fails: a, installed first by the same call, is detached
+    again; both engines are exactly as before."""
+    from graphzero import deepspeed_adapter
+    from graphzero.deepspeed_adapter import zero3
+    from graphzero.errors import InstallError
+    first, _, _ = _family_engines("zero2")
+    second, _, _ = _family_engines("zero3")
+    before = [_snapshot(first), _snapshot(second)]
+    restore = _fail_at_module_function(zero3, "_no_grad", 2)
+    try:
+        with pytest.raises(InstallError, match="engine 'b'"):
+            deepspeed_adapter.attach([("a", first), ("b", second)])
+    finally:
+        restore()
+    assert deepspeed_adapter.binding_of(first) is None and deepspeed_adapter.binding_of(second) is None
+    for eng, snap, name in zip((first, second), before, "ab"):
+        _assert_same_snapshot(snap, _snapshot(eng), f"engine {name!r} after the failed attach of two")
+
+
+def test_failed_attach_of_two_engines_detaches_both(ranks):
+    ranks.run(failed_attach_of_two_scenario)

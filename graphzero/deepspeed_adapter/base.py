@@ -13,8 +13,10 @@ DeepSpeed's own gradient handling for the parameters graphzero now owns:
   backward prologue and divide gradients by gas at run time (graphzero applies 1/gas in-graph);
 - ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``).
 
-`detach` restores all of it. State lives on the engine and its parameters (``_graphzero_binding``),
-not in a module-level registry.
+Every change goes through the binding's `PatchLedger` (ledger.py), which remembers what was there:
+`detach`, and an install that fails part-way, give the engine back exactly as found (DeepSpeed's
+own hook objects under their ids, instance attributes it had). State lives on the engine and its
+parameters (``_graphzero_binding``, set last), not in a module-level registry.
 """
 from __future__ import annotations
 
