@@ -16,8 +16,12 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .errors import AutogradUsageError
+from .errors import AutogradUsageError, InternalsError
 from .ownership import ParamSet
+
+# What _will_engine_execute_node raises for a leaf while torch.autograd.grad() runs (torch 2.13-2.15):
+# the one error that means "this backward writes no .grad".
+_AUTOGRAD_GRAD_LEAF = "currently running autograd.grad()"
 
 
 class AccumulationProbe:
@@ -46,7 +50,12 @@ class AccumulationProbe:
         for ps, params in self.present.items():
             try:
                 will = [torch._C._will_engine_execute_node(node) for node in self._accumulate_nodes(ps)]
-            except RuntimeError:
+            except RuntimeError as exc:
+                if _AUTOGRAD_GRAD_LEAF not in str(exc):
+                    # Anything else is not "no accumulation": reading it so would lose the gradient.
+                    raise InternalsError(
+                        f"engine {ps.name!r}: torch._C._will_engine_execute_node failed in a graphzero backward "
+                        f"(torch {torch.__version__}): {exc}") from exc
                 # Raised for a leaf during torch.autograd.grad(): no .grad is written in that call.
                 will = [False] * len(params)
             if all(will):

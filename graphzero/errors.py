@@ -76,3 +76,13 @@ class AttachTooLateError(GraphZeroError):
     """``options["engines"]`` names engines that were not attached before Dynamo traced the step
     (graphzero's compile-start callback was removed): the first step may already have run through
     DeepSpeed's own hooks. Names the engines and what to do."""
+
+
+class InstallError(GraphZeroError):
+    """Attaching to an engine failed part-way; everything graphzero had changed on it is restored
+    (the patch ledger), and the engine is not attached. The cause is chained (``__cause__``)."""
+
+
+class InternalsError(GraphZeroError):
+    """A torch or DeepSpeed internal graphzero relies on is missing or failed unexpectedly; the
+    message names it and the installed versions."""

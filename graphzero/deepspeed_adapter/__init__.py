@@ -4,7 +4,8 @@
 shares (switching DeepSpeed's own hooks off and on, the eager safety net); one module per
 optimizer family binds the buffers its
 ``step()`` reads: ``zero12`` (DeepSpeedZeroOptimizer), ``bf16`` (BF16_Optimizer), ``zero3``
-(DeepSpeedZeroOptimizer_Stage3: also owns the parameter gather).
+(DeepSpeedZeroOptimizer_Stage3: also owns the parameter gather). ``ledger`` records every change
+a binding makes so that ``detach`` (or a failed ``attach``) undoes it exactly.
 """
 from .attach import attach, detach
 from .base import DeepSpeedBinding, binding_of

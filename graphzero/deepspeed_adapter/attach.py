@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
 from ..ownership import check_same_world
-from .base import DeepSpeedBinding, _optimizer_kind, binding_of
+from .base import DeepSpeedBinding, _optimizer_kind, binding_of, ds_attr
 from .bf16 import BF16Binding
 from .zero3 import Zero3Binding, check_zero3_config
 from .zero12 import ZeroBinding
@@ -50,11 +50,26 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
     # Engines attached together share one loss, even when a graph break puts them in different
     # graphs: refuse before changing any of them.
     check_same_world([b.param_set for b in bindings])
-    for (name, _), binding in zip(engines, bindings):
-        if binding_of(binding.engine) is None:
-            binding.install()
-        binding.name = binding.param_set.name = name
-        binding.configure_step(lean_step, defer_param_gather)
+    # All or nothing: an install that fails undoes itself (its ledger); the engines this call
+    # attached before it are detached again, so a failed attach leaves every engine as it was.
+    installed: list[DeepSpeedBinding] = []
+    try:
+        for (name, _), binding in zip(engines, bindings):
+            if binding_of(binding.engine) is None:
+                binding.name = binding.param_set.name = name
+                binding.configure_step(lean_step, defer_param_gather)   # the options install() sees
+                binding.install()
+                installed.append(binding)
+            binding.name = binding.param_set.name = name
+            binding.configure_step(lean_step, defer_param_gather)
+    except BaseException as exc:
+        for binding in reversed(installed):
+            try:
+                binding.uninstall()
+            except BaseException as undo_exc:  # noqa: BLE001 - the attach error is the one to raise
+                exc.add_note(f"graphzero: detaching engine {binding.name!r} after the failed attach failed too: "
+                             f"{undo_exc!r}")
+        raise
     return bindings
 
 
@@ -87,17 +102,18 @@ def _check_config(name: str, engine) -> None:
         raise unsupported("torch_autocast.enabled", "autocast inside the engine")
     if not engine.managed_gradient_accumulation():
         raise unsupported("managed_gradient_accumulation=false", "step() would rebuild gradients from .grad")
-    if getattr(engine, "zenflow", False):
+    # Read explicitly: a DeepSpeed that renamed one of these must not switch its check off.
+    if ds_attr(engine, "zenflow"):
         raise unsupported("zenflow", "ZenFlow selective updates")
-    if getattr(engine, "has_moe_layers", False):
+    if ds_attr(engine, "has_moe_layers"):
         raise unsupported("MoE layers", "expert-parallel gradient groups")
-    if getattr(engine, "pipeline_parallelism", False):
+    if ds_attr(engine, "pipeline_parallelism"):
         raise unsupported("PipelineModule", "pipeline parallelism")
-    if not getattr(engine, "gradient_average", True):
+    if not ds_attr(engine, "gradient_average"):
         raise unsupported("gradient_allreduce_op=sum", "graphzero averages over the data-parallel group")
-    if getattr(engine, "sequence_parallel_size", 1) > 1:
+    if ds_attr(engine, "sequence_parallel_size") > 1:
         raise unsupported("sequence_parallel_size>1", "sequence-parallel gradient averaging")
-    if getattr(engine, "is_deepcompile_enabled", lambda: False)():
+    if ds_attr(engine, "is_deepcompile_enabled")():
         raise unsupported("compile.deepcompile", "DeepCompile owns the same gradients")
     kind = _optimizer_kind(engine)
     if kind is None:
@@ -108,7 +124,9 @@ def _check_config(name: str, engine) -> None:
 
 
 def _offloads(offload_config) -> bool:
-    device = getattr(offload_config, "device", None)
+    if offload_config is None:   # DeepSpeed's "not configured"
+        return False
+    device = ds_attr(offload_config, "device")
     return device is not None and str(getattr(device, "value", device)) != "none"
 
 

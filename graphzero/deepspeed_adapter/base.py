@@ -13,8 +13,10 @@ DeepSpeed's own gradient handling for the parameters graphzero now owns:
   backward prologue and divide gradients by gas at run time (graphzero applies 1/gas in-graph);
 - ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``).
 
-`detach` restores all of it. State lives on the engine and its parameters (``_graphzero_binding``),
-not in a module-level registry.
+Every change goes through the binding's `PatchLedger` (ledger.py), which remembers what was there:
+`detach`, and an install that fails part-way, give the engine back exactly as found (DeepSpeed's
+own hook objects under their ids, instance attributes it had). State lives on the engine and its
+parameters (``_graphzero_binding``, set last), not in a module-level registry.
 """
 from __future__ import annotations
 
@@ -26,16 +28,14 @@ import torch
 import torch.distributed as dist
 
 from .. import local_accumulation, rank_agreement
-from ..errors import NoGradientError, UnsupportedConfigError
+from ..errors import GraphZeroError, InstallError, InternalsError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..ownership import FlatGroup, ParamSet
+from .ledger import PatchLedger
 
 log = logging.getLogger("graphzero")
 
 _BINDING_ATTR = "_graphzero_binding"
-# Engine methods shadowed by instance attributes while attached (removed again on detach).
-_ENGINE_OVERRIDES = ("forward", "backward", "_backward_prologue", "_backward_prologue_per_tensor",
-                     "_backward_epilogue", "zero_grad", "step")
 
 
 def _noop(*_args) -> None:
@@ -49,6 +49,30 @@ def _identity(grad):
 def binding_of(obj: object) -> DeepSpeedBinding | None:
     """The binding attached to an engine or an owned parameter, if any."""
     return getattr(obj, _BINDING_ATTR, None)
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+    return str(deepspeed.__version__)
+
+
+def ds_attr(obj: object, attr: str):
+    """``getattr(obj, attr)`` for a DeepSpeed attribute graphzero checks: missing is an
+    `InternalsError` naming it and the installed DeepSpeed, never a default that switches a check off."""
+    try:
+        return getattr(obj, attr)
+    except AttributeError as exc:
+        if hasattr(type(obj), attr):   # a property that failed inside: not a missing attribute
+            raise
+        raise _missing(obj, attr) from exc
+
+
+def _missing(obj: object, attr: str) -> InternalsError:
+    """A DeepSpeed attribute graphzero relies on is gone (renamed in another DeepSpeed version):
+    say so rather than carry on as if the feature were off."""
+    return InternalsError(
+        f"{type(obj).__module__}.{type(obj).__qualname__} has no attribute {attr!r}, which graphzero reads "
+        f"(installed DeepSpeed {_deepspeed_version()}; graphzero is tested with the versions in graphzero/versions.py)")
 
 
 def _optimizer_kind(engine) -> str | None:
@@ -71,8 +95,8 @@ class DeepSpeedBinding:
         self.engine = engine
         self.name = name
         self.kind = _optimizer_kind(engine)
-        self._saved: dict[str, object] = {}
-        self._eager_hooks: list = []
+        # every change install() makes, undone by uninstall() and by a failed install()
+        self.ledger = PatchLedger(f"engine {name!r}")
         self._warned_eager = False
         # Whether a backward wrote this engine's shards since its last optimizer step.
         self.received_gradient = False
@@ -92,10 +116,6 @@ class DeepSpeedBinding:
 
     def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Tell the optimizer these parameters received a gradient (only some optimizers need it)."""
-
-    def _restore_grad_hooks(self) -> None:
-        """Re-install the optimizer's own gradient hooks (detach)."""
-        raise NotImplementedError
 
     def wait_params(self) -> None:
         """Wait for a deferred all-gather of this engine's parameters (only ZeRO-1/2 defers one)."""
@@ -162,16 +182,42 @@ class DeepSpeedBinding:
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
+        """Take the engine over. Every change goes through ``self.ledger``; the engine counts as
+        attached (``binding_of``) only once all of them are made. If any step fails, the changes
+        made so far are undone in reverse order and the error is raised (a `GraphZeroError` as
+        it was; anything else as an `InstallError` naming the engine)."""
+        try:
+            self._install(self.ledger)
+            # last: binding_of(engine) is this binding only for a complete install
+            self.ledger.set_attr(self.engine, _BINDING_ATTR, self)
+        except BaseException as exc:
+            try:
+                self.ledger.undo()
+            except BaseException as undo_exc:  # noqa: BLE001 - the install error is the one to raise
+                exc.add_note(f"graphzero: undoing the partial install of engine {self.name!r} failed too: "
+                             f"{undo_exc!r}")
+            if isinstance(exc, GraphZeroError) or not isinstance(exc, Exception):
+                raise
+            raise InstallError(
+                f"engine {self.name!r}: graphzero could not attach to this {self.kind} engine (DeepSpeed "
+                f"{_deepspeed_version()}, torch {torch.__version__}); everything it had changed is restored. "
+                f"Cause: {type(exc).__name__}: {exc}") from exc
+        log.info("graphzero owns engine %r: ZeRO-%d, %d params, %d elements, %s, world %d",
+                 self.name, self.param_set.stage, self.param_set.num_params, self.param_set.numel,
+                 self.kind, self.param_set.world_size)
+
+    def _install(self, ledger: PatchLedger) -> None:
+        """The changes shared by every optimizer family; subclasses add theirs after these."""
         engine, opt = self.engine, self.engine.optimizer
-        self._had_grad_acc_hooks = bool(opt._grad_acc_hooks)
+        # DeepSpeed's own gradient hooks: taken out as they are, put back as they were on detach.
         for h in opt._grad_acc_hooks:
-            h.remove()
-        opt._grad_acc_hooks.clear()
+            ledger.remove_hook(h)
+        ledger.clear_list(opt._grad_acc_hooks)
         for attr in ("module_forward_pre_hook", "module_forward_post_hook"):
-            handle = getattr(engine, attr, None)
+            handle = ds_attr(engine, attr)
             if handle is not None:
-                handle.remove()
-                setattr(engine, attr, None)
+                ledger.remove_hook(handle)
+                ledger.set_attr(engine, attr, None)
         module = engine.module
 
         def forward(*args, **kwargs):
@@ -179,17 +225,15 @@ class DeepSpeedBinding:
             # run the backward prologue at run time) and without the timers that break graphs.
             return module(*args, **kwargs)
 
-        self._saved = {name: engine.__dict__.get(name) for name in _ENGINE_OVERRIDES}
-        self._saved["enable_backward_allreduce"] = engine.enable_backward_allreduce
-        engine.forward = forward
-        engine.backward = types.MethodType(_graphzero_engine_backward, engine)
+        ledger.set_attr(engine, "forward", forward)
+        ledger.set_attr(engine, "backward", types.MethodType(_graphzero_engine_backward, engine))
         # A DeepSpeed engine.forward already in flight when graphzero attaches (Dynamo runs the
         # first call's frames one by one until the backend is reached) still registers output
         # hooks; they look these up at call time and must do nothing (no 1/gas, no epilogue).
-        engine._backward_prologue = _noop
-        engine._backward_prologue_per_tensor = _identity
-        engine._backward_epilogue = _noop
-        engine.enable_backward_allreduce = False
+        ledger.set_attr(engine, "_backward_prologue", _noop)
+        ledger.set_attr(engine, "_backward_prologue_per_tensor", _identity)
+        ledger.set_attr(engine, "_backward_epilogue", _noop)
+        ledger.set_attr(engine, "enable_backward_allreduce", False)
         # zero_grad must clear what graphzero accumulated, as it clears .grad under DeepSpeed eager
         # (e.g. a two-phase GAN step whose generator loss also reached the discriminator).
         engine_zero_grad, optimizer_zero_grad = engine.zero_grad, opt.zero_grad
@@ -220,46 +264,24 @@ class DeepSpeedBinding:
                 self.received_gradient = False
             return out
 
-        engine.zero_grad = zero_engine
-        opt.zero_grad = zero_optimizer
-        engine.step = step
-        setattr(engine, _BINDING_ATTR, self)
+        ledger.set_attr(engine, "zero_grad", zero_engine)
+        ledger.set_attr(opt, "zero_grad", zero_optimizer)
+        ledger.set_attr(engine, "step", step)
         for group in self.param_set.groups:
             for p in group.params:
-                setattr(p, _BINDING_ATTR, self)
-                self._eager_hooks.append(p.register_post_accumulate_grad_hook(self._reduce_eager_grad))
-        log.info("graphzero owns engine %r: ZeRO-%d, %d params, %d elements, %s, world %d",
-                 self.name, self.param_set.stage, self.param_set.num_params, self.param_set.numel,
-                 self.kind, self.param_set.world_size)
+                ledger.set_attr(p, _BINDING_ATTR, self)
+                ledger.post_accumulate_grad_hook(p, self._reduce_eager_grad)
 
     def uninstall(self) -> None:
-        engine, opt = self.engine, self.engine.optimizer
-        for h in self._eager_hooks:
-            h.remove()
-        self._eager_hooks.clear()
-        for group in self.param_set.groups:
-            for p in group.params:
-                if getattr(p, _BINDING_ATTR, None) is self:
-                    delattr(p, _BINDING_ATTR)
-        for attr in _ENGINE_OVERRIDES:
-            engine.__dict__.pop(attr, None)
-            if self._saved.get(attr) is not None:
-                engine.__dict__[attr] = self._saved[attr]
-        engine.enable_backward_allreduce = self._saved.get("enable_backward_allreduce", True)
-        if engine.module_forward_pre_hook is None:
-            engine.module_forward_pre_hook = engine._create_module_forward_pre_hook()
-        if engine.module_forward_post_hook is None:
-            engine.module_forward_post_hook = engine._create_module_forward_post_hook()
-        opt.__dict__.pop("zero_grad", None)
-        if self._had_grad_acc_hooks:
-            self._restore_grad_hooks()
-        self._forget_gradients()
-        if getattr(engine, _BINDING_ATTR, None) is self:
-            delattr(engine, _BINDING_ATTR)
-        # Graphs compiled while attached still own these parameters: they refuse to run
-        # (ParamSet.detached), and Dynamo compiles the step again on its next call.
-        self.param_set.detached = True
-        torch._dynamo.reset_code_caches()
+        """Give the engine back as ``install`` found it (the ledger, newest change first)."""
+        try:
+            self.ledger.undo()
+        finally:
+            self._forget_gradients()
+            # Graphs compiled while attached still own these parameters: they refuse to run
+            # (ParamSet.detached), and Dynamo compiles the step again on its next call.
+            self.param_set.detached = True
+            torch._dynamo.reset_code_caches()
 
     def _forget_gradients(self) -> None:
         """``zero_grad``: drop the accumulated shards and the window's local sums, as DeepSpeed

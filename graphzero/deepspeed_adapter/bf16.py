@@ -36,6 +36,3 @@ class BF16Binding(DeepSpeedBinding):
             g, k = self.param_set.locate(p)
             opt.fp32_groups_has_gradients[g][k] = True
             p._hp_grad = opt.fp32_groups_gradients[g][k]
-
-    def _restore_grad_hooks(self) -> None:
-        self.engine.optimizer.create_grad_acc_hooks()

@@ -28,6 +28,8 @@ import types
 
 import torch
 
+from .ledger import PatchLedger
+
 c10d = torch.ops._c10d_functional
 
 # Engine methods that read or write every parameter: wait first.
@@ -40,15 +42,14 @@ class ParamSync:
     def __init__(self, engine, owned: list[torch.nn.Parameter]) -> None:
         self.engine = engine
         self.owned = {id(p) for p in owned}
-        self._handles: list = []
-        self._patched: list[tuple[object, str]] = []
 
     def wait(self) -> None:
         """Wait for every pending all-gather of this engine's flat parameter buffers."""
         for flat in self.engine.optimizer.bit16_groups_flat:
             c10d.wait_tensor(flat)
 
-    def install(self) -> None:
+    def install(self, ledger: PatchLedger) -> None:
+        """Add the waits; every hook and method goes through ``ledger`` (undone on detach)."""
         for module in self.engine.module.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in self.owned]
             if not own:
@@ -59,27 +60,17 @@ class ParamSync:
                 for p in own:
                     c10d.wait_tensor(p)
 
-            self._handles.append(module.register_forward_pre_hook(wait_own))
-            self._handles.append(module.register_state_dict_pre_hook(self._wait_eager))
-            self._handles.append(module.register_load_state_dict_pre_hook(self._wait_eager))
+            ledger.add_hook(module.register_forward_pre_hook(wait_own))
+            ledger.add_hook(module.register_state_dict_pre_hook(self._wait_eager))
+            ledger.add_hook(module.register_load_state_dict_pre_hook(self._wait_eager))
         for name in _ENGINE_METHODS:
             if name in self.engine.__dict__:   # someone else's override: leave it alone
                 continue
-            setattr(self.engine, name, self._waiting(getattr(self.engine, name)))
-            self._patched.append((self.engine, name))
+            ledger.set_attr(self.engine, name, self._waiting(getattr(self.engine, name)))
         for obj in (self.engine, self.engine.module):
             if "named_parameters" not in obj.__dict__:
-                obj.named_parameters = types.MethodType(self._waiting_named_parameters(type(obj).named_parameters), obj)
-                self._patched.append((obj, "named_parameters"))
-
-    def uninstall(self) -> None:
-        self.wait()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for obj, name in self._patched:
-            obj.__dict__.pop(name, None)
-        self._patched.clear()
+                ledger.set_attr(obj, "named_parameters",
+                                types.MethodType(self._waiting_named_parameters(type(obj).named_parameters), obj))
 
     def _wait_eager(self, *_args, **_kwargs) -> None:
         if not torch.compiler.is_compiling():

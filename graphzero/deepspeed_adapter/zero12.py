@@ -19,7 +19,8 @@ import torch
 
 from ..ownership import FlatGroup
 from . import lean_step
-from .base import DeepSpeedBinding
+from .base import DeepSpeedBinding, _deepspeed_version
+from .ledger import PatchLedger
 from .param_sync import ParamSync
 
 log = logging.getLogger("graphzero")
@@ -32,6 +33,9 @@ class ZeroBinding(DeepSpeedBinding):
         self.want_lean_step = True
         # Off unless asked: a parameter list kept across step() is not guarded (param_sync.py).
         self.want_defer = False
+        self._step_ledger = PatchLedger(f"engine {name!r} optimizer step")
+        # lean_step.changed_mirrors() at the first install of the step (None: not yet checked)
+        self._mirror_changes: list[str] | None = None
         super().__init__(engine, name)
         self.param_sync = ParamSync(engine, [p for g in self.param_set.groups for p in g.params])
 
@@ -57,25 +61,36 @@ class ZeroBinding(DeepSpeedBinding):
         opt = self.engine.optimizer
         if self.lean_step is not None:
             self.param_sync.wait()
-            del opt.step
+        self._step_ledger.undo()
         if not self.want_lean_step:
+            return
+        if self._mirror_changes is None:
+            # once per binding: the warning below is logged once, and attach runs this per compile
+            self._mirror_changes = lean_step.changed_mirrors()
+            changed = self._mirror_changes
+            if changed:
+                log.warning("engine %r: DeepSpeed's own optimizer step: the DeepSpeed functions graphzero's lean step "
+                            "re-implements are not the ones it was written against (DeepSpeed 0.19.8); changed: %s "
+                            "(installed DeepSpeed %s)", self.name, ", ".join(changed), _deepspeed_version())
+        if self._mirror_changes:
             return
         reason = lean_step.unsupported_reason(self.engine)
         if reason is not None:
             log.info("engine %r: DeepSpeed's own optimizer step (graphzero's lean step does not cover %s)",
                      self.name, reason)
             return
-        opt.step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None)
+        self._step_ledger.set_attr(opt, "step", lean_step.LeanStep(opt, self.name,
+                                                                    self.param_sync if self.want_defer else None))
 
-    def install(self) -> None:
-        super().install()
-        self.param_sync.install()
+    def _install(self, ledger: PatchLedger) -> None:
+        super()._install(ledger)
+        self.param_sync.install(ledger)
+        # The step is re-chosen by configure_step while attached: its own ledger, undone first.
+        ledger.on_undo(self._step_ledger.undo, "the optimizer step")
         self._install_step()
 
     def uninstall(self) -> None:
-        self.param_sync.uninstall()   # waits for a deferred all-gather first
-        if self.lean_step is not None:
-            del self.engine.optimizer.step
+        self.param_sync.wait()   # a deferred all-gather writes the parameters: finish it first
         super().uninstall()
 
     def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
@@ -115,6 +130,3 @@ class ZeroBinding(DeepSpeedBinding):
             if opt.averaged_gradients.get(i) is self._installed(i):
                 opt.averaged_gradients[i] = None
         self._installed_groups.clear()
-
-    def _restore_grad_hooks(self) -> None:
-        self.engine.optimizer.create_gradient_handling_hooks()

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from ..shard_gather import gather_shard
-from .base import _BINDING_ATTR, DeepSpeedBinding
+from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
+from .ledger import PatchLedger
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
@@ -55,7 +56,7 @@ def check_zero3_config(engine, unsupported) -> None:
         raise unsupported("zero_optimization.zero_quantized_weights", "quantized ZeRO-3 weights")
     if engine.zero_hpz_partition_size() > 1:
         raise unsupported("zero_optimization.zero_hpz_partition_size>1", "hierarchical partitioning")
-    if getattr(engine, "autotp_size", lambda: 1)() > 1:
+    if ds_attr(engine, "autotp_size")() > 1:
         raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
 
 
@@ -74,7 +75,6 @@ class Zero3Binding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
         self._installed_lists: dict[int, list] = {}
         self._stale = False
-        self._shard_hooks: list = []
         super().__init__(engine, name)
 
     # -- layout and buffers -------------------------------------------------------------------
@@ -100,7 +100,7 @@ class Zero3Binding(DeepSpeedBinding):
                 params=tuple(params), names=tuple(names.get(id(p), f"group{i}.param{k}") for k, p in enumerate(params)),
                 offsets=offsets, numel=world * sum(sizes), sharded=True, presharded=True, shard_sizes=sizes,
                 full_numels=tuple(int(p.ds_numel) for p in params),
-                persistent=tuple(bool(getattr(p, "ds_persist", False)) for p in params)))
+                persistent=tuple(bool(ds_attr(p, "ds_persist")) for p in params)))
         return groups, opt.gradient_accumulation_dtype
 
     def _build_param_set(self):
@@ -157,25 +157,27 @@ class Zero3Binding(DeepSpeedBinding):
         # reading averaged_gradients. The next backward starts from zeros instead.
         self._stale = True
 
-    def _restore_grad_hooks(self) -> None:
-        self.engine.optimizer.create_reduce_and_remove_grad_hooks()
-
     # -- install / uninstall ------------------------------------------------------------------
-    def install(self) -> None:
-        super().install()
+    def _install(self, ledger: PatchLedger) -> None:
+        super()._install(ledger)
         opt, module = self.engine.optimizer, self.engine.module
-        opt.parameter_offload._remove_module_hooks()
+        # DeepSpeed's ZeRO-3 module hooks (what its _remove_module_hooks removes), kept as they
+        # are so that detach puts the same hooks back (setup_zero_stage3_hooks would make new ones).
+        offload = opt.parameter_offload
+        for handle in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
+            ledger.remove_hook(handle)
         ps = self.param_set
         owned = [(n, p) for g in ps.groups for n, p in zip(g.names, g.params)]
         for _, p in owned:
-            p.ds_tensor.requires_grad_(True)
-            setattr(p.ds_tensor, _BINDING_ATTR, self)   # graphs compiled without options find the engine
+            ledger.set_attr(p.ds_tensor, "grad", None)
+            ledger.set_attr(p.ds_tensor, "requires_grad", True)
+            ledger.set_attr(p.ds_tensor, _BINDING_ATTR, self)   # graphs compiled without options find the engine
             # DeepSpeed's own gathers (GatheredParameters, persistent parameters after step(),
             # checkpoints) write into views made under no_grad: with a shard that requires grad they
             # must run under no_grad too.
             for attr in _PARAM_COLLECTIVES:
-                setattr(p, attr, _no_grad(getattr(p, attr)))
-            self._shard_hooks.append(p.ds_tensor.register_post_accumulate_grad_hook(self._accumulate_eager_shard))
+                ledger.set_attr(p, attr, _no_grad(getattr(p, attr)))
+            ledger.post_accumulate_grad_hook(p.ds_tensor, self._accumulate_eager_shard)
         unhooked = _Unhooked(module)
         world, group_name = ps.world_size, ps.group_name
 
@@ -184,26 +186,7 @@ class Zero3Binding(DeepSpeedBinding):
                     for n, p in owned}
             return torch.func.functional_call(unhooked, full, args, kwargs, strict=False)
 
-        module.forward = forward
-
-    def uninstall(self) -> None:
-        opt, module = self.engine.optimizer, self.engine.module
-        module.__dict__.pop("forward", None)
-        for h in self._shard_hooks:
-            h.remove()
-        self._shard_hooks.clear()
-        for g in self.param_set.groups:
-            for p in g.params:
-                p.ds_tensor.requires_grad_(False)
-                p.ds_tensor.grad = None
-                p.ds_tensor.__dict__.pop(_BINDING_ATTR, None)
-                for attr in _PARAM_COLLECTIVES:
-                    setattr(p, attr, getattr(p, attr).__wrapped__)
-        offload = opt.parameter_offload
-        offload.forward_hooks.clear()
-        offload.backward_hooks.clear()
-        offload.setup_zero_stage3_hooks()
-        super().uninstall()
+        ledger.set_attr(module, "forward", forward)
 
     # -- safety net -----------------------------------------------------------------------------
     @torch.no_grad()
