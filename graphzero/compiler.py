@@ -200,8 +200,7 @@ class BackwardWithRuntimeInputs:
             if ps not in self.param_sets:
                 self.param_sets.append(ps)
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
-        self.device = self.param_sets[0].groups[0].params[0].device
-        self._scale_tensors: dict[float, torch.Tensor] = {}
+        self._scale_tensors: dict[tuple[float, torch.device], torch.Tensor] = {}
         self.probe = AccumulationProbe({ps: [(g.owned.leaf if g.owned.leaf is not None else g.owned.param,
                                               g.owned.qualname) for g in ctx.grads if g.owned.param_set is ps]
                                         for ps in self.param_sets})
@@ -216,10 +215,12 @@ class BackwardWithRuntimeInputs:
         self.positions = {ps: [(g.owned.group, g.owned.position) for g in ctx.grads if g.owned.param_set is ps]
                           for ps in self.local}
 
-    def _scale(self, value: float) -> torch.Tensor:
-        if value not in self._scale_tensors:
-            self._scale_tensors[value] = torch.tensor(value, dtype=torch.float32, device=self.device)
-        return self._scale_tensors[value]
+    def _scale(self, value: float, device: torch.device) -> torch.Tensor:
+        # on the engine's device, as the graph's other inputs; a fill, not a host-to-device copy
+        key = (value, device)
+        if key not in self._scale_tensors:
+            self._scale_tensors[key] = torch.full((), value, dtype=torch.float32, device=device)
+        return self._scale_tensors[key]
 
     def __call__(self, args: list[Any]) -> Any:
         detached = [ps.name for ps in self.param_sets if ps.detached]
@@ -235,17 +236,17 @@ class BackwardWithRuntimeInputs:
                     ps.mark_present(self.present[ps])
                     buffers[ps] = ps.sinks()
                 if mode is not None:
-                    local[ps] = ps.local.buffers(self.device)
+                    local[ps] = ps.local.buffers(ps.device)
             else:
                 # autograd.grad / backward(inputs=...) without this engine: eager autograd would
                 # write no .grad, so the shard stays untouched; the collectives still run (every
                 # rank issues the same ones) into scratch buffers.
-                buffers[ps] = ps.scratch_sinks(self.device)
+                buffers[ps] = ps.scratch_sinks()
                 if mode is not None:
-                    local[ps] = ps.local.scratch(self.device)
+                    local[ps] = ps.local.scratch(ps.device)
             scales[ps] = ps.runtime_scale()
         runtime = {"sink": buffers, "local": local}
-        args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps])
+        args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps], ps.device)
                     for kind, ps, g in self.runtime_inputs)
         for _, group in self.groups:
             rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)

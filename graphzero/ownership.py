@@ -77,6 +77,8 @@ class ParamSet:
     # The factor applied to this backward's reduced sum: normally grad_scale = 1/(world*gas); the
     # adapter may say otherwise per call (e.g. the loss was already divided by gas).
     runtime_scale: Callable[[], float] | None = None
+    # the engine's device: every buffer its collectives read or write is created here (devices.py)
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     # set by detach: graphs compiled while attached must not run any more
     detached: bool = False
     # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
@@ -102,9 +104,9 @@ class ParamSet:
         """(group index, position in group) of an owned parameter, else None."""
         return self._where.get(id(param))
 
-    def scratch_sinks(self, device: torch.device) -> list[torch.Tensor]:
+    def scratch_sinks(self) -> list[torch.Tensor]:
         """Zeroed buffers shaped like sinks(), for a backward whose result must not be kept."""
-        return [torch.zeros(g.shard_numel(self.world_size), dtype=self.accum_dtype, device=device)
+        return [torch.zeros(g.shard_numel(self.world_size), dtype=self.accum_dtype, device=self.device)
                 for g in self.groups]
 
     @property

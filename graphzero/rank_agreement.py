@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from .devices import collective_device
 from .errors import RankDisagreementError, RankFaultError
 
 
@@ -39,8 +40,11 @@ def agree(value: int, process_group: object, what: str, timeout_s: float | None 
     world = dist.get_world_size(process_group)
     if world == 1:
         return
-    mine = torch.tensor([value], dtype=torch.int64)
-    every = torch.empty(world, dtype=torch.int64)
+    # On the group's device (NCCL takes CUDA tensors only); a fill, not torch.tensor (a host-to-device
+    # copy waits for the stream). Reading the result (tolist) is a host sync.
+    device = collective_device(process_group)
+    mine = torch.full((1,), value, dtype=torch.int64, device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
     with collective_failures(what):
         work = dist.all_gather_into_tensor(every, mine, group=process_group, async_op=True)
         if timeout_s is None:

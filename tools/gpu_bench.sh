@@ -12,6 +12,11 @@
 # backward / optimizer-step split (CUDA events) and its ratio to the ideal ("x ideal").
 # Results: JSON under $OUT (or gpu-bench/), and a section appended to docs/benchmarks.md with the
 # command, the machine and the date. Bounded: every run has a timeout.
+#
+# Stage 1, before any timing: a correctness smoke (tools/gpu_smoke.py): a two-engine GAN at ZeRO-2
+# and ZeRO-3 under graphzero against a single-process reference on the same device, gradients,
+# norms and parameters over 3 steps; world size 1, and 2 NCCL ranks where 2 GPUs exist (the dry
+# run: 1 and 2 gloo ranks on CPU). Any FAIL stops the script (exit 1): no timing of wrong numbers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -29,6 +34,31 @@ machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.c
   echo "## GPU check (tools/gpu_bench.sh), $(date -u +%Y-%m-%d), $machine, world size 1"
   echo
 } >> "$OUTDIR/section.md"
+
+# -- stage 1: correctness smoke -----------------------------------------------------------------
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+worlds=(1)
+if [ "$device" = cpu ] || [ "$gpus" -ge 2 ]; then worlds=(1 2); fi
+for world in "${worlds[@]}"; do
+  cmd=("$PY" -m graphzero_tools.gpu_smoke --device "$device" --world-size "$world")
+  echo "\$ ${cmd[*]}" | tee -a "$OUTDIR/section.md"
+  set +e
+  timeout 600 "${cmd[@]}" > "$OUTDIR/smoke-$world.log" 2>&1
+  rc=$?
+  set -e
+  verdict=$(grep -E '^GPU SMOKE: ' "$OUTDIR/smoke-$world.log" | tail -n 1 || true)
+  { echo '```'; grep -E '^\[rank [0-9]+\] FAIL' "$OUTDIR/smoke-$world.log" | head -n 10 || true
+    echo "${verdict:-GPU SMOKE: FAIL (exit code $rc, no verdict; see $OUTDIR/smoke-$world.log)}"
+    echo '```'; } | tee -a "$OUTDIR/section.md"
+  if [ "$rc" -ne 0 ] || [ "${verdict#GPU SMOKE: PASS}" = "$verdict" ]; then
+    tail -n 40 "$OUTDIR/smoke-$world.log" >&2
+    echo "correctness smoke failed (world size $world, exit code $rc): no timing" >&2
+    if [ "${GPU_BENCH_DRY_RUN:-0}" != 1 ]; then cat "$OUTDIR/section.md" >> docs/benchmarks.md; fi
+    exit 1
+  fi
+done
+
+# -- stage 2: timing ----------------------------------------------------------------------------
 for model in mlp transformer; do
   for dtype in fp32 bf16; do
     json="$OUTDIR/$model-$dtype.json"

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import local_accumulation, rank_agreement
+from .. import devices, local_accumulation, rank_agreement
 from ..errors import GraphZeroError, InstallError, InternalsError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..ownership import FlatGroup, ParamSet
@@ -139,6 +139,11 @@ class DeepSpeedBinding:
         rank = dist.get_rank(group=pg)
         if rank < 0:
             raise UnsupportedConfigError(f"engine {self.name!r}: this rank is not in its data-parallel group")
+        device = devices.engine_device(engine.device, engine.module.parameters())
+        if device.type not in devices.group_device_types(pg):
+            raise UnsupportedConfigError(
+                f"engine {self.name!r}: its parameters are on {device}, which its data-parallel group's backend "
+                f"{dist.get_backend(pg)!r} cannot reduce (it takes {list(devices.group_device_types(pg))})")
         ps = ParamSet(
             name=self.name, stage=engine.zero_optimization_stage(), groups=tuple(groups), process_group=pg,
             group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
@@ -146,7 +151,7 @@ class DeepSpeedBinding:
             bucket_numel=int(engine.zero_reduce_bucket_size()),
             grad_scale=1.0 / (world * engine.gradient_accumulation_steps()),
             backend=str(dist.get_backend(pg)), sinks=self._backward_sinks, mark_present=self.mark_present,
-            runtime_scale=self.runtime_scale)
+            runtime_scale=self.runtime_scale, device=device)
         if ps.stage == 1:
             # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at
             # the gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 reduces every
@@ -302,8 +307,7 @@ class DeepSpeedBinding:
         pending = sorted(local.pending)
         what = f"engine {self.name!r}: local gradient sums left at the accumulation boundary"
         rank_agreement.agree(rank_agreement.fingerprint(("local-flush", self.name, pending)), ps.process_group, what)
-        device = ps.groups[0].params[0].device
-        bufs, sinks = local.buffers(device), self._backward_sinks()
+        bufs, sinks = local.buffers(ps.device), self._backward_sinks()
         for g in sorted({g for g, _ in pending}):
             group = ps.groups[g]
             # Ranges reduced earlier in the window were zeroed then, so the whole buffer can go.
@@ -341,7 +345,7 @@ class DeepSpeedBinding:
             # and reduce the window's sum at the boundary (the exchange below still catches ranks
             # that disagree on the boundary).
             start = group.offsets[k]
-            mine = ps.local.buffers(param.device)[g][start:start + param.numel()]
+            mine = ps.local.buffers(ps.device)[g][start:start + param.numel()]
             mine.add_(param.grad.detach().reshape(-1).to(mine.dtype), alpha=scale)
             if not ps.at_boundary():
                 rank_agreement.agree(rank_agreement.fingerprint(("eager-local", self.name, g, k)),

@@ -269,8 +269,10 @@ class LeanStep:
                 state["max_exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
         step = state["step"]
         step += 1
-        # The fused kernel wants the step on the parameter's device (torch keeps it on the CPU).
-        device_step = step if step.device == fp32.device else step.to(fp32.device)
+        # The fused kernel wants the step on the parameter's device (torch keeps it on the CPU). A fill,
+        # not step.to(device): a pageable host-to-GPU copy synchronises the host every step.
+        device_step = step if step.device == fp32.device else torch.full(
+            (), float(step), dtype=step.dtype, device=fp32.device)
         beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
         kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
         kernel([fp32.data], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],

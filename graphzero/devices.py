@@ -1,0 +1,68 @@
+"""Which device a tensor graphzero hands to a collective must live on.
+
+NCCL takes CUDA tensors only, gloo takes CPU (and CUDA) tensors, a group created with several
+``device:backend`` pairs takes the devices it names. graphzero's tests run gloo on CPU, where a
+tensor created without a device happens to be right; under NCCL the same tensor fails on the
+first collective. So every tensor graphzero creates for a collective asks `collective_device`,
+and every buffer an engine's collectives read or write is created on the engine's device
+(``ParamSet.device``), never on a default.
+
+The backend is read through ``torch.distributed.get_backend`` (public, and what a test patches to
+report NCCL); a backend torch does not know (a third-party plugin) falls back to the group's
+``_device_types``, as torch's own object collectives do (``_get_object_coll_device``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_device_types(process_group: object | None) -> tuple[str, ...]:
+    """The device types the group's backend(s) accept, in the order the backend lists them."""
+    backend = str(dist.get_backend(process_group)).lower()
+    if ":" in backend:   # init_process_group(backend="cpu:gloo,cuda:nccl")
+        return tuple(pair.split(":", 1)[0].strip() for pair in backend.split(",") if ":" in pair)
+    known = dist.Backend.backend_capability.get(backend)
+    if known:
+        return tuple(known)
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    return tuple(d.type for d in getattr(group, "_device_types", ())) or ("cpu",)
+
+
+def current_device(device_type: str) -> torch.device:
+    """This process's current device of an accelerator type (``cuda:<current>`` for CUDA)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+    return torch.device(device_type, index) if index is not None else torch.device(device_type)
+
+
+def collective_device(process_group: object | None, fallback_device: torch.device | str | None = None
+                      ) -> torch.device:
+    """The device for tensors handed to ``process_group``'s collectives.
+
+    ``fallback_device`` (an engine's device, for tensors made from its buffers) wins when the
+    group accepts its type, so a gloo group on a GPU machine reduces CUDA gradients where they
+    are. Otherwise: the CPU when the group accepts it (a few bytes of host data, as torch's
+    object collectives choose), else the current device of the group's accelerator
+    (``cuda:<current>`` for NCCL).
+    """
+    types = group_device_types(process_group)
+    if fallback_device is not None:
+        fallback = torch.device(fallback_device)
+        if fallback.type in types:
+            return fallback
+    if "cpu" in types:
+        return torch.device("cpu")
+    return current_device(types[0])
+
+
+def engine_device(engine_device_attr: torch.device | str | None, params) -> torch.device:
+    """An engine's device: DeepSpeed's ``engine.device``, or where its parameters live when
+    DeepSpeed left it unset (the CPU accelerator without a local rank)."""
+    if engine_device_attr is not None:
+        return torch.device(engine_device_attr)
+    for p in params:
+        return p.device
+    return torch.device("cpu")
