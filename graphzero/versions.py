@@ -21,7 +21,7 @@ from .errors import VersionError
 #: distribution -> (lowest tested version, first version of the next line): ``low <= v < high``.
 #: Keep in step with the dependencies in pyproject.toml (tests/test_layout.py checks that they agree).
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.13", "2.14"),
+    "torch": ("2.13", "2.16"),
     "deepspeed": ("0.19.8", "0.20"),
 }
 ALLOW_ENV = "GRAPHZERO_ALLOW_UNTESTED_VERSIONS"
