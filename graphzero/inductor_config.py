@@ -58,4 +58,13 @@ def inductor_patch(*, backward: bool, overlap: bool, gathers: bool) -> dict[str,
 
 
 #: option -> the value graphzero compiles with, where this torch has the option.
-PINNED: dict[str, Any] = {}
+PINNED: dict[str, Any] = {
+    # torch 2.13-2.15: with the pass list inductor's config recommends, a ZeRO-3 backward's
+    # reduce-scatters were reissued in another order, every gather hoisted to the top and every
+    # wait sunk to the end (all full-size gathered parameters and gradients alive at once), by
+    # estimated runtimes that can differ between ranks unless inductor aligns them with a
+    # collective of its own (runtime_estimations_align_across_all_distributed_ranks). graphzero's
+    # passes already order and place its collectives.
+    REORDER: False,
+    REORDER_PASSES: [],
+}

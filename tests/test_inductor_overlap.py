@@ -12,8 +12,8 @@ hook for this) and checks that
 - gradients (every step, both engines) and gradient norms match the single-process reference, and
   the gradients match the switch-off run's.
 
-A switch graphzero pins off is tried with the pin lifted (to see what it would do) and with the pin
-in place (the generated code must then be the switch-off code).
+A switch graphzero pins (graphzero/inductor_config.py) never reaches its graphs; on ZeRO-3 it is
+also tried with the pin lifted, to show what it would do there.
 """
 from __future__ import annotations
 
@@ -162,45 +162,47 @@ def _cases():
         for switch, patch in SWITCHES.items():
             marks = [] if _available(patch) else [pytest.mark.skip(reason=f"torch {torch.__version__} has no {switch}")]
             yield pytest.param(stage, switch, id=f"zero{stage}-{switch}", marks=marks)
-        yield pytest.param(stage, "pinned", id=f"zero{stage}-pinned")
 
 
 @pytest.mark.parametrize(("stage", "switch"), list(_cases()))
 def test_overlap_switch(ranks, switch_off, stage, switch):
-    if switch == "pinned":
-        _check_pinned(ranks, switch_off(stage), stage)
-        return
+    """The user turns the switch on globally: graphzero's graphs keep their collective order on
+    every rank and their gradients; a switch graphzero pins never reaches them."""
     off = switch_off(stage)
-    pinned = any(k in inductor_config.pinned() for k in SWITCHES[switch])
-    on = ranks.run(overlap_scenario, stage, switch, lift_pin=pinned)
-    what = f"ZeRO-{stage} {switch} on" + (" (pin lifted)" if pinned else "")
+    pins = inductor_config.pinned()
+    own = inductor_config.inductor_patch(backward=True, overlap=True, gathers=False)  # graphzero's ZeRO-1/2 backward
+    on = ranks.run(overlap_scenario, stage, switch)
+    what = f"ZeRO-{stage} {switch} on"
     _check_ranks_agree(on, what)
     assert _collectives(on[0]) == _collectives(off[0]), f"{what}: collectives moved relative to each other"
     for rank in range(len(on)):
         for i, (a, b) in enumerate(zip(on[rank]["grads"], off[rank]["grads"])):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{what}: grads {i} vs off: {m}")
         torch.testing.assert_close(on[rank]["norms"], off[rank]["norms"], rtol=1e-6, atol=1e-7)
-    # the switch reached graphzero's graphs (graphzero's own backward patch aside)
     for key, value in _available(SWITCHES[switch]).items():
-        if key != inductor_config.REORDER_PASSES:
-            assert any(m["config"][key] == value for m in on[0]["modules"]), f"{what}: {key} never on"
+        got = [m["config"][key] for m in on[0]["modules"]]
+        if key in pins:
+            assert all(v in (pins[key], own.get(key, pins[key])) for v in got), f"{what}: pinned {key} got {got}"
+        elif key != inductor_config.REORDER_PASSES:
+            assert value in got, f"{what}: {key} never reached graphzero's graphs ({got})"
     moved = [i for i, (a, b) in enumerate(zip(on[0]["modules"], off[0]["modules"])) if a["calls"] != b["calls"]]
-    print(f"{what}: {len(on[0]['modules'])} graphs, waits moved in graphs {moved}")
+    print(f"{what}: {len(on[0]['modules'])} graphs, collectives/waits placed differently in graphs {moved}")
 
 
-def _check_pinned(ranks, off: list[dict], stage: int) -> None:
-    """With the user's global config turning every switch on, graphzero's graphs are compiled with
-    each pinned switch at its pinned value, and the generated collectives are the switch-off ones."""
-    pins = inductor_config.pinned()
-    if not pins:
-        pytest.skip(f"graphzero pins no inductor switch on torch {torch.__version__}")
-    for switch in [s for s in SWITCHES if any(k in pins for k in SWITCHES[s])]:
-        on = ranks.run(overlap_scenario, stage, switch)
-        _check_ranks_agree(on, f"ZeRO-{stage} {switch} pinned")
-        for m in on[0]["modules"]:
-            for key, value in pins.items():
-                assert m["config"][key] == value, f"ZeRO-{stage}: {key} is {m['config'][key]}, pinned {value}"
-        assert [m["calls"] for m in on[0]["modules"]] == [m["calls"] for m in off[0]["modules"]]
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_pinned_switch_unpinned_zero3(ranks, switch_off, switch):
+    """What a pinned switch would do to graphzero's ZeRO-3 graphs (the reason for the pin): ranks
+    still agree and gradients stay right (asserted every step against the reference), while the
+    collectives' relative order or place changes (printed; see graphzero/inductor_config.py)."""
+    if not any(k in inductor_config.pinned() for k in _available(SWITCHES[switch])):
+        pytest.skip(f"graphzero does not pin {switch} on torch {torch.__version__}")
+    off = switch_off(3)
+    lifted = ranks.run(overlap_scenario, 3, switch, lift_pin=True)
+    _check_ranks_agree(lifted, f"ZeRO-3 {switch} unpinned")
+    reordered = _collectives(lifted[0]) != _collectives(off[0])
+    print(f"ZeRO-3 {switch} unpinned: collectives reordered relative to each other: {reordered}")
+    for graph in lifted[0]["modules"]:
+        print("   ", graph["calls"])
 
 
 def test_patch_per_torch_version():
