@@ -193,6 +193,8 @@ def test_overlap_switch(ranks, switch_off, variant, switch):
             assert value in got, f"{what}: {key} never reached graphzero's graphs ({got})"
     moved = [i for i, (a, b) in enumerate(zip(on[0]["modules"], off[0]["modules"])) if a["calls"] != b["calls"]]
     print(f"{what}: {len(on[0]['modules'])} graphs, collectives/waits placed differently in graphs {moved}")
+    for graph in on[0]["modules"]:
+        print("   ", graph["calls"])
 
 
 @pytest.mark.parametrize("switch", list(SWITCHES))
