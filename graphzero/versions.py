@@ -1,7 +1,8 @@
 """The torch and DeepSpeed versions graphzero is tested with, checked when graphzero is imported.
 
 graphzero relies on internals of both: AOT autograd's output descriptors and inductor's
-collective handling of the torch 2.13 line, and the ZeRO optimizer's partition buffers and hooks of
+collective handling of the torch 2.13-2.15 lines (CI tests 2.13.0 and 2.15.0), and the ZeRO
+optimizer's partition buffers and hooks of
 DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside those lines it would fail deep inside a
 compile, or silently skip a gradient, so importing graphzero raises a :class:`VersionError` instead.
 Versions are read from the installed distributions' metadata: DeepSpeed is not imported (slow).
@@ -50,7 +51,7 @@ def _padded(release: tuple[int, ...], n: int = 3) -> tuple[int, ...]:
 
 
 def tested_range(package: str) -> str:
-    """The tested range as a pip specifier, e.g. ``>=2.13,<2.14``."""
+    """The tested range as a pip specifier, e.g. ``>=2.13,<2.16``."""
     low, high = TESTED[package]
     return f">={low},<{high}"
 
