@@ -2,9 +2,9 @@
 
 graphzero relies on internals of both: AOT autograd's output descriptors and inductor's
 collective handling of the torch 2.13-2.15 lines (CI tests 2.13.0 and 2.15.0), and the ZeRO
-optimizer's partition buffers and hooks of
-DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside those lines it would fail deep inside a
-compile, or silently skip a gradient, so importing graphzero raises a :class:`VersionError` instead.
+optimizer's partition buffers and hooks of DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside
+those lines it would fail deep inside a compile, or silently skip a gradient, so importing graphzero
+raises a :class:`VersionError` instead.
 Versions are read from the installed distributions' metadata: DeepSpeed is not imported (slow).
 A package that is not installed is not checked (DeepSpeed is imported only when an engine is used).
 Set ``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1`` to get a warning instead, e.g. to try a newer torch.
