@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo lint test test-matrix bench clean
+.PHONY: install demo lint test test-torch test-matrix bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,20 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q tests
+
+# The second CI leg: the suite's torch-sensitive core on another supported torch, e.g.
+# `make test-torch TORCH=2.15.0`, in a venv cached outside the clone (tools/torch_venv.sh: keyed by
+# torch version and pyproject.toml, its own pip.conf and TORCH_EXTENSIONS_DIR). Runs the matrix's
+# fixed sample (GRAPHZERO_MATRIX unset). pytest's exit code 5 (nothing collected) fails it too.
+TORCH_LEG_TESTS ?= tests/test_inductor_overlap.py tests/test_registration.py tests/test_passes.py tests/test_multi_engine.py \
+	tests/test_first_step.py tests/test_zero3.py tests/test_lean_step.py tests/test_autograd_semantics.py \
+	tests/test_matrix.py tests/test_accelerate.py tests/test_layout.py
+
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0" >&2; exit 2; }
+	venv=$$(PYTHON=$(PYTHON) tools/torch_venv.sh $(TORCH)) && \
+	env -u GRAPHZERO_MATRIX DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$$venv/torch_extensions \
+		$$venv/bin/python -m pytest -q $(TORCH_LEG_TESTS)
 
 # The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed 20-case sample).
 test-matrix: install

@@ -21,6 +21,7 @@ from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreemen
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
+from .inductor_config import inductor_patch
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
@@ -265,18 +266,13 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):
-            return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
+            with torch._inductor.config.patch(inductor_patch(backward=False, overlap=t.opts.overlap, gathers=t.gathers)):
+                return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
 
         def compile_backward(graph: fx.GraphModule, inputs: list[Any], ctx: PassContext):
-            patches = {}
-            if t.opts.overlap and ctx.runtime_inputs and not t.gathers:
-                # Inductor would otherwise fuse the accumulation into unrelated earlier kernels and
-                # wait on the collective right after issuing it. Not with ZeRO-3 gathers: their passes
-                # place every wait, and sinking the reduce-scatters' waits to the end would keep every
-                # full-size gradient alive until then.
-                patches = {"reorder_for_compute_comm_overlap": True,
-                           "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
-            with torch._inductor.config.patch(patches):
+            # inductor_config says which of inductor's own comm passes run on graphzero's graphs, and why
+            overlap = t.opts.overlap and bool(ctx.runtime_inputs)
+            with torch._inductor.config.patch(inductor_patch(backward=True, overlap=overlap, gathers=t.gathers)):
                 return compile_fx_inner(graph, inputs, **kwargs)
 
         return t.backward(graph, inputs, compile_backward)

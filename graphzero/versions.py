@@ -1,9 +1,10 @@
 """The torch and DeepSpeed versions graphzero is tested with, checked when graphzero is imported.
 
 graphzero relies on internals of both: AOT autograd's output descriptors and inductor's
-collective handling of the torch 2.13 line, and the ZeRO optimizer's partition buffers and hooks of
-DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside those lines it would fail deep inside a
-compile, or silently skip a gradient, so importing graphzero raises a :class:`VersionError` instead.
+collective handling of the torch 2.13-2.15 lines (CI tests 2.13.0 and 2.15.0), and the ZeRO
+optimizer's partition buffers and hooks of DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside
+those lines it would fail deep inside a compile, or silently skip a gradient, so importing graphzero
+raises a :class:`VersionError` instead.
 Versions are read from the installed distributions' metadata: DeepSpeed is not imported (slow).
 A package that is not installed is not checked (DeepSpeed is imported only when an engine is used).
 Set ``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1`` to get a warning instead, e.g. to try a newer torch.
@@ -21,7 +22,7 @@ from .errors import VersionError
 #: distribution -> (lowest tested version, first version of the next line): ``low <= v < high``.
 #: Keep in step with the dependencies in pyproject.toml (tests/test_layout.py checks that they agree).
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.13", "2.14"),
+    "torch": ("2.13", "2.16"),
     "deepspeed": ("0.19.8", "0.20"),
 }
 ALLOW_ENV = "GRAPHZERO_ALLOW_UNTESTED_VERSIONS"
@@ -50,7 +51,7 @@ def _padded(release: tuple[int, ...], n: int = 3) -> tuple[int, ...]:
 
 
 def tested_range(package: str) -> str:
-    """The tested range as a pip specifier, e.g. ``>=2.13,<2.14``."""
+    """The tested range as a pip specifier, e.g. ``>=2.13,<2.16``."""
     low, high = TESTED[package]
     return f">={low},<{high}"
 

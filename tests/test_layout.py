@@ -130,8 +130,9 @@ def test_no_import_circle(imported_all: dict) -> None:
 
 
 @pytest.mark.parametrize(("package", "version", "tested"), [
-    ("torch", "2.14.0", ">=2.13,<2.14"),
-    ("torch", "2.12.1+cpu", ">=2.13,<2.14"),
+    ("torch", "2.16.0", ">=2.13,<2.16"),
+    ("torch", "2.16.0.dev20261120+cu132", ">=2.13,<2.16"),
+    ("torch", "2.12.1+cpu", ">=2.13,<2.16"),
     ("deepspeed", "0.20.0", ">=0.19.8,<0.20"),
     ("deepspeed", "0.19.7", ">=0.19.8,<0.20"),
 ])
@@ -147,6 +148,7 @@ def test_version_outside_the_range_is_refused(package: str, version: str, tested
 
 @pytest.mark.parametrize(("torch_version", "deepspeed_version"), [
     ("2.13.0", "0.19.8"), ("2.13.1+cpu", "0.19.12"), ("2.13.0a0+git1234", "0.19.8+cuda"), ("2.13.0", None),
+    ("2.14.0", "0.19.8"), ("2.14.1+cu130", "0.19.8"), ("2.15.0+cu132", "0.19.8"),
 ])
 def test_versions_inside_the_range_pass(torch_version: str, deepspeed_version: str | None) -> None:
     versions.check_versions({"torch": torch_version, "deepspeed": deepspeed_version})
@@ -154,8 +156,8 @@ def test_versions_inside_the_range_pass(torch_version: str, deepspeed_version: s
 
 def test_untested_versions_can_be_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(versions.ALLOW_ENV, "1")
-    with pytest.warns(RuntimeWarning, match=r"torch 2\.14\.0 is installed"):
-        versions.check_versions({"torch": "2.14.0", "deepspeed": "0.19.8"})
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.16\.0 is installed"):
+        versions.check_versions({"torch": "2.16.0", "deepspeed": "0.19.8"})
 
 
 def test_import_graphzero_checks_the_installed_versions(tmp_path: Path) -> None:
@@ -186,6 +188,19 @@ def test_tested_ranges_match_the_package_requirements() -> None:
     required = {r.name: r.specifier for r in declared}
     for package in versions.TESTED:
         assert required[package] == specifiers.SpecifierSet(versions.tested_range(package)), package
+
+
+def test_pyproject_and_readme_name_the_tested_ranges() -> None:
+    """pyproject.toml as written (the installed metadata above may predate an edit) and the README's
+    install paragraph name versions.TESTED's ranges: one source of truth, checked everywhere."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    readme = (root / "README.md").read_text()
+    for package in versions.TESTED:
+        wanted = f"{package}{versions.tested_range(package)}"
+        assert wanted in dependencies, f"pyproject.toml: {dependencies} lacks {wanted}"
+        assert f"`{wanted}`" in readme, f"README.md does not name {wanted}"
 
 
 def test_version_error_is_exported() -> None:

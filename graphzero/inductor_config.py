@@ -1,0 +1,74 @@
+"""The inductor settings graphzero compiles its graphs with, per torch version.
+
+graphzero's passes decide where every collective and every wait of its graphs goes (bucket order,
+``schedule_overlap``, the ZeRO-3 gather/release passes); inductor's scheduler may move them again.
+Its comm/compute overlap passes are switches in ``torch._inductor.config``:
+
+- ``reorder_for_compute_comm_overlap`` with ``reorder_for_compute_comm_overlap_passes`` (every
+  supported torch; off by default). graphzero turns it on itself, with ``sink_waits_iterative``
+  only, for a ZeRO-1/2 backward with ``overlap``: otherwise inductor fuses the accumulation into
+  unrelated earlier kernels and waits on each collective right after issuing it.
+- ``aten_distributed_optimizations.enable_simple_overlap`` (torch 2.14 and 2.15, on by default;
+  pytorch #184235/#184240): moves collectives earlier and waits later by adjacent swaps. Its guard
+  against reordering collectives sees only inductor's own collective kernels, and it hung ranks
+  whose graphs held collectives it could not see (pytorch #189454).
+
+tests/test_inductor_overlap.py compiles graphzero's ZeRO-2 (also with the deferred parameter
+all-gather) and ZeRO-3 graphs with each switch on and off and checks the collective order on every
+rank and the gradients. What it found unsafe for graphzero's graphs is pinned here (PINNED), on
+every graph graphzero compiles with inductor; the user's global setting still applies to the rest of
+their program. ``simple_overlap`` is not pinned: graphzero's graphs hold only ``_c10d_functional``
+collectives, which the pass sees and keeps in order (tested on 2.15.0: same order on every rank and
+as with the pass off, the same gradients), and the deferred all-gather it cannot see is issued
+outside the graph and waited on inside it through a data dependency (passes/wait_params.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
+REORDER = "reorder_for_compute_comm_overlap"
+REORDER_PASSES = "reorder_for_compute_comm_overlap_passes"
+
+
+def has_option(name: str) -> bool:
+    """Whether this torch's inductor config has ``name`` (dotted for nested sections)."""
+    owner: Any = torch._inductor.config
+    for part in name.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
+
+
+def pinned() -> dict[str, Any]:
+    """Switches graphzero fixes for every graph it compiles, whatever the user's global config says."""
+    return {name: value for name, value in PINNED.items() if has_option(name)}
+
+
+def inductor_patch(*, backward: bool, overlap: bool, gathers: bool) -> dict[str, Any]:
+    """The ``torch._inductor.config.patch`` for one graph graphzero compiles.
+
+    ``backward``: the backward graph; ``overlap``: graphzero's ``overlap`` option; ``gathers``: the
+    graph holds ZeRO-3 parameter gathers."""
+    patch = pinned()
+    if backward and overlap and not gathers:
+        # Not with ZeRO-3 gathers: their passes place every wait, and sinking the reduce-scatters'
+        # waits to the end would keep every full-size gradient alive until then.
+        patch.update({REORDER: True, REORDER_PASSES: ["sink_waits_iterative"]})
+    return patch
+
+
+#: option -> the value graphzero compiles with, where this torch has the option.
+PINNED: dict[str, Any] = {
+    # torch 2.13-2.15: with the pass list inductor's config recommends, a ZeRO-3 backward's
+    # reduce-scatters were reissued in another order, every gather hoisted to the top and every
+    # wait sunk to the end (all full-size gathered parameters and gradients alive at once), by
+    # estimated runtimes that can differ between ranks unless inductor aligns them with a
+    # collective of its own (runtime_estimations_align_across_all_distributed_ranks). graphzero's
+    # passes already order and place its collectives.
+    REORDER: False,
+    REORDER_PASSES: [],
+}
