@@ -5,10 +5,11 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
 
 - DeepSpeed's ZeRO-3 module hooks (fetch/release before and after each submodule, pre/post
   backward) and its gradient hooks are removed; ``detach`` re-installs them;
-- the module's ``forward`` runs the original one on full parameters gathered from the shards by
-  ``shard_gather.gather_shard`` (``torch.func.functional_call``), so Dynamo traces the gathers into
-  the forward graph and their reduce-scatter backward into the backward graph, and an eager call
-  (evaluation, generation) sees the current parameters too;
+- every module holding a ZeRO-3 parameter (owned or frozen) reads it through a property that
+  gathers it from the shards (``zero3_module``, SimpleFSDP's design): Dynamo traces the gather
+  wherever the compiled step reads the parameter (forward, another method, a submodule) and its
+  reduce-scatter backward into the backward graph; eager calls (evaluation, ``generate``) see the
+  current parameters and leave nothing gathered; methods, signatures and instance attributes stay;
 - each shard requires grad, so the compiled backward returns its reduced shard gradient, which the
   fp32_accumulate pass adds (x 1/(world x gas)) into the optimizer's ``grad_partitions_flat_buffer``
   region of that param group; ``averaged_gradients[i]`` lists DeepSpeed's own per-parameter views
@@ -31,7 +32,9 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from ..shard_gather import gather_shard
+from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
+from .ledger import PatchLedger
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
@@ -59,22 +62,12 @@ def check_zero3_config(engine, unsupported) -> None:
         raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
 
 
-class _Unhooked(torch.nn.Module):
-    """Calls the module's class forward (not the instance override graphzero installs)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = module
-
-    def forward(self, *args, **kwargs):
-        return type(self.inner).forward(self.inner, *args, **kwargs)
-
-
 class Zero3Binding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
         self._installed_lists: dict[int, list] = {}
         self._stale = False
         self._shard_hooks: list = []
+        self._module_ledger = PatchLedger(f"{name}: ZeRO-3 module tree")
         super().__init__(engine, name)
 
     # -- layout and buffers -------------------------------------------------------------------
@@ -162,6 +155,7 @@ class Zero3Binding(DeepSpeedBinding):
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
+        self._check_frozen_groups(self.engine.module)
         super().install()
         opt, module = self.engine.optimizer, self.engine.module
         opt.parameter_offload._remove_module_hooks()
@@ -176,19 +170,19 @@ class Zero3Binding(DeepSpeedBinding):
             for attr in _PARAM_COLLECTIVES:
                 setattr(p, attr, _no_grad(getattr(p, attr)))
             self._shard_hooks.append(p.ds_tensor.register_post_accumulate_grad_hook(self._accumulate_eager_shard))
-        unhooked = _Unhooked(module)
-        world, group_name = ps.world_size, ps.group_name
+        zero3_module.install(module, ps.world_size, ps.group_name, self._module_ledger)
 
-        def forward(*args, **kwargs):
-            full = {f"inner.{n}": gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
-                    for n, p in owned}
-            return torch.func.functional_call(unhooked, full, args, kwargs, strict=False)
-
-        module.forward = forward
+    def _check_frozen_groups(self, module) -> None:
+        """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
+        ranks = dist.get_process_group_ranks(self.param_set.process_group or dist.group.WORLD)
+        for n, p in module.named_parameters():
+            if hasattr(p, "ds_tensor") and dist.get_process_group_ranks(p.ds_process_group) != ranks:
+                raise UnsupportedConfigError(f"engine {self.name!r}: parameter {n!r} is partitioned over other "
+                                             "ranks than the optimizer's data-parallel group")
 
     def uninstall(self) -> None:
-        opt, module = self.engine.optimizer, self.engine.module
-        module.__dict__.pop("forward", None)
+        opt = self.engine.optimizer
+        self._module_ledger.undo()
         for h in self._shard_hooks:
             h.remove()
         self._shard_hooks.clear()
