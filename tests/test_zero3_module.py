@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import graphzero
+from graphzero.deepspeed_adapter.base import binding_of
 from scenario_utils import Reference, assert_grads_close, data, engine, full_grads, mlp, rank_world
 from test_zero3 import GRAD_TOL, assert_params_match, assert_released, z3_config
 
@@ -206,8 +207,8 @@ def lora_scenario(stage: int, steps: int = 3) -> dict:
     actor, critic = lora_actor(), Critic()
     ref = Reference({"actor": actor, "critic": critic})
     engines = {"actor": engine(actor, z3_config(stage)), "critic": engine(critic, z3_config(stage))}
-    bindings = graphzero.attach(**engines)
-    owned = {n for g in bindings[0].param_set.groups for n in g.names}
+    graphzero.attach(**engines)
+    owned = {n for g in binding_of(engines["actor"]).param_set.groups for n in g.names}
     adapters = {n for n, p in engines["actor"].module.named_parameters() if p.requires_grad}
     assert owned == adapters and all(".lora_" in n for n in owned), owned
     step = torch.compile(ppo_like_loss, backend="graphzero", options={"engines": engines, "inner": "eager"})
