@@ -13,12 +13,12 @@ import inspect
 
 import pytest
 import torch
+from test_zero3 import GRAD_TOL, assert_params_match, assert_released, z3_config
 from torch import nn
 
 import graphzero
 from graphzero.deepspeed_adapter.base import binding_of
 from scenario_utils import Reference, assert_grads_close, data, engine, full_grads, mlp, rank_world
-from test_zero3 import GRAD_TOL, assert_params_match, assert_released, z3_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,6 +100,35 @@ def test_generate_left_padded_same_tokens_as_plain_and_deepspeed_eager(ranks):
         assert r["got"] == r["want"], r
         assert r["eager"] == r["want"], r
         assert r["trained_got"] == r["trained_want"], r
+
+
+def checkpointing_scenario(use_reentrant: bool, steps: int = 3) -> dict:
+    """HF gradient checkpointing at ZeRO-3: the gathers now sit inside the checkpointed blocks."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ref = Reference({"lm": model})
+    kwargs = {"use_reentrant": use_reentrant}
+    ref.models["lm"].gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    gz = engine(model, z3_config(3))
+    graphzero.attach(lm=gz)
+    step = torch.compile(lm_loss, backend="graphzero", options={"engines": {"lm": gz}, "inner": "eager"})
+    batch = lambda t, r: [torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(100 * t + r))]
+    for t in range(steps):
+        step({"lm": gz}, *batch(t, rank)).backward()
+        assert_released(gz)
+        ref.accumulate(lm_loss, [batch(t, r) for r in range(world)])
+        assert_grads_close(full_grads(gz), ref.grads("lm"), **GRAD_TOL, what=f"step {t}")
+        gz.step()
+        ref.step()
+        torch.testing.assert_close(float(gz.get_global_grad_norm()), ref.norms["lm"], rtol=1e-4, atol=1e-6)
+    return {}
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hf_gradient_checkpointing(ranks, use_reentrant):
+    ranks.run(checkpointing_scenario, use_reentrant)
 
 
 class Encoder(nn.Module):

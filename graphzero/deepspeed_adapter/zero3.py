@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
-from ..shard_gather import gather_shard
 from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ledger import PatchLedger
