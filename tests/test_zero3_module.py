@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import json
+import pathlib
 
 import pytest
 import torch
@@ -230,7 +232,7 @@ def lora_batch(t: int, rank: int):
     return [torch.randint(3, 64, (4, 8), generator=g), torch.randn(4, 7, generator=g), torch.randn(4, 8, generator=g)]
 
 
-def lora_scenario(stage: int, steps: int = 3) -> dict:
+def lora_scenario(stage: int, dump_dir: str | None = None, steps: int = 3) -> dict:
     rank, world = rank_world()
     torch.manual_seed(0)
     actor, critic = lora_actor(), Critic()
@@ -240,7 +242,8 @@ def lora_scenario(stage: int, steps: int = 3) -> dict:
     owned = {n for g in binding_of(engines["actor"]).param_set.groups for n in g.names}
     adapters = {n for n, p in engines["actor"].module.named_parameters() if p.requires_grad}
     assert owned == adapters and all(".lora_" in n for n in owned), owned
-    step = torch.compile(ppo_like_loss, backend="graphzero", options={"engines": engines, "inner": "eager"})
+    step = torch.compile(ppo_like_loss, backend="graphzero",
+                         options={"engines": engines, "inner": "eager", "dump_dir": dump_dir})
     for t in range(steps):
         step(engines, *lora_batch(t, rank)).backward()
         if stage == 3:
@@ -256,10 +259,20 @@ def lora_scenario(stage: int, steps: int = 3) -> dict:
         for name, eng in engines.items():
             torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6)
             assert_params_match(eng, ref.models[name], what=f"step {t} {name}")
-    return {"owned": len(owned)}
+    summary = None
+    if dump_dir is not None and rank == 0:
+        summary = json.loads((pathlib.Path(dump_dir) / "summary.json").read_text())["graphs"][-1]["engines"]
+    return {"owned": len(owned), "summary": summary}
 
 
 @pytest.mark.parametrize("stage", [3, 2])
-def test_peft_lora_actor_full_critic_one_loss(ranks, stage):
-    results = ranks.run(lora_scenario, stage)
+def test_peft_lora_actor_full_critic_one_loss(ranks, stage, tmp_path):
+    results = ranks.run(lora_scenario, stage, str(tmp_path))
     assert results[0]["owned"] == 8     # lora_A and lora_B of c_attn and c_fc in 2 layers
+    actor = results[0]["summary"]["actor"]
+    if stage == 3:
+        # The frozen base (13x the adapters' bytes) is gathered in the graph with the adapters, in
+        # one bucket, and gathered again in backward rather than saved for it.
+        adapter_bytes = 4 * actor["numel"]
+        assert actor["all_gather_fwd"] == 1 and actor["all_gather_bytes_fwd"] > 10 * adapter_bytes, actor
+        assert actor["all_gather_bytes_bwd"] > 10 * adapter_bytes, actor

@@ -98,8 +98,15 @@ class Zero3Binding(DeepSpeedBinding):
     def _build_param_set(self):
         ps = super()._build_param_set()
         ps.shard_inputs = self.shard_inputs
+        ps.frozen_shards = self.frozen_shards
         ps.gather_bucket_numel = self._gather_bucket_numel()
         return ps
+
+    def frozen_shards(self) -> dict[int, tuple[str, bool]]:
+        """The module's ZeRO-3 parameters outside the optimizer (frozen), by shard."""
+        owned = {id(p) for g in self.param_set.groups for p in g.params}
+        return {id(p.ds_tensor): (n, bool(getattr(p, "ds_persist", False)))
+                for n, p in self.engine.module.named_parameters() if hasattr(p, "ds_tensor") and id(p) not in owned}
 
     def _gather_bucket_numel(self) -> int:
         """stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live (one
