@@ -84,6 +84,9 @@ class ParamSet:
     # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
     # {id(shard): (group, position)}; read when a graph is compiled (shards may be re-created)
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
+    # ZeRO-3: the engine's frozen parameters (a LoRA base: gathered, not owned, no gradient), as
+    # {id(shard): (name, persistent)}; their gathers are released and bucketed like the owned ones
+    frozen_shards: Callable[[], dict[int, tuple[str, bool]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
     # ZeRO-1 (local_accumulation.py): the window's local gradient sum; None for engines that reduce
@@ -147,6 +150,9 @@ class Ownership:
 
     inputs: dict[int, OwnedInput]
     param_sets: tuple[ParamSet, ...]
+    # graph inputs that are frozen ZeRO-3 shards of an engine with owned inputs in this graph:
+    # index -> (param set, parameter name, persistent)
+    frozen: dict[int, tuple[ParamSet, str, bool]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, example_inputs: Sequence[object], param_sets: Sequence[ParamSet]) -> Ownership:
@@ -166,7 +172,13 @@ class Ownership:
                     break
         used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
         check_same_world(used)
-        return cls(owned, used)
+        frozen = {}
+        for ps in used:
+            shards = ps.frozen_shards() if ps.frozen_shards is not None else {}
+            for i, x in enumerate(example_inputs):
+                if i not in owned and isinstance(x, torch.Tensor) and id(x) in shards:
+                    frozen[i] = (ps, *shards[id(x)])
+        return cls(owned, used, frozen)
 
 
 def check_same_world(param_sets: Sequence[ParamSet]) -> None:

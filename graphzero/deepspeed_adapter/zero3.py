@@ -5,10 +5,11 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
 
 - DeepSpeed's ZeRO-3 module hooks (fetch/release before and after each submodule, pre/post
   backward) and its gradient hooks are removed; ``detach`` re-installs them;
-- the module's ``forward`` runs the original one on full parameters gathered from the shards by
-  ``shard_gather.gather_shard`` (``torch.func.functional_call``), so Dynamo traces the gathers into
-  the forward graph and their reduce-scatter backward into the backward graph, and an eager call
-  (evaluation, generation) sees the current parameters too;
+- every module holding a ZeRO-3 parameter (owned or frozen) reads it through a property that
+  gathers it from the shards (``zero3_module``, SimpleFSDP's design): Dynamo traces the gather
+  wherever the compiled step reads the parameter (forward, another method, a submodule) and its
+  reduce-scatter backward into the backward graph; eager calls (evaluation, ``generate``) see the
+  current parameters and leave nothing gathered; methods, signatures and instance attributes stay;
 - each shard requires grad, so the compiled backward returns its reduced shard gradient, which the
   fp32_accumulate pass adds (x 1/(world x gas)) into the optimizer's ``grad_partitions_flat_buffer``
   region of that param group; ``averaged_gradients[i]`` lists DeepSpeed's own per-parameter views
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
-from ..shard_gather import gather_shard
+from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
 from .ledger import PatchLedger
 
@@ -58,17 +59,6 @@ def check_zero3_config(engine, unsupported) -> None:
         raise unsupported("zero_optimization.zero_hpz_partition_size>1", "hierarchical partitioning")
     if ds_attr(engine, "autotp_size")() > 1:
         raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
-
-
-class _Unhooked(torch.nn.Module):
-    """Calls the module's class forward (not the instance override graphzero installs)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = module
-
-    def forward(self, *args, **kwargs):
-        return type(self.inner).forward(self.inner, *args, **kwargs)
 
 
 class Zero3Binding(DeepSpeedBinding):
@@ -106,8 +96,15 @@ class Zero3Binding(DeepSpeedBinding):
     def _build_param_set(self):
         ps = super()._build_param_set()
         ps.shard_inputs = self.shard_inputs
+        ps.frozen_shards = self.frozen_shards
         ps.gather_bucket_numel = self._gather_bucket_numel()
         return ps
+
+    def frozen_shards(self) -> dict[int, tuple[str, bool]]:
+        """The module's ZeRO-3 parameters outside the optimizer (frozen), by shard."""
+        owned = {id(p) for g in self.param_set.groups for p in g.params}
+        return {id(p.ds_tensor): (n, bool(getattr(p, "ds_persist", False)))
+                for n, p in self.engine.module.named_parameters() if hasattr(p, "ds_tensor") and id(p) not in owned}
 
     def _gather_bucket_numel(self) -> int:
         """stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live (one
@@ -159,6 +156,7 @@ class Zero3Binding(DeepSpeedBinding):
 
     # -- install / uninstall ------------------------------------------------------------------
     def _install(self, ledger: PatchLedger) -> None:
+        self._check_frozen_groups(self.engine.module)
         super()._install(ledger)
         opt, module = self.engine.optimizer, self.engine.module
         # DeepSpeed's ZeRO-3 module hooks (what its _remove_module_hooks removes), kept as they
@@ -178,15 +176,16 @@ class Zero3Binding(DeepSpeedBinding):
             for attr in _PARAM_COLLECTIVES:
                 ledger.set_attr(p, attr, _no_grad(getattr(p, attr)))
             ledger.post_accumulate_grad_hook(p.ds_tensor, self._accumulate_eager_shard)
-        unhooked = _Unhooked(module)
-        world, group_name = ps.world_size, ps.group_name
+        # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
+        zero3_module.install(module, ps.world_size, ps.group_name, ledger)
 
-        def forward(*args, **kwargs):
-            full = {f"inner.{n}": gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
-                    for n, p in owned}
-            return torch.func.functional_call(unhooked, full, args, kwargs, strict=False)
-
-        ledger.set_attr(module, "forward", forward)
+    def _check_frozen_groups(self, module) -> None:
+        """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
+        ranks = dist.get_process_group_ranks(self.param_set.process_group or dist.group.WORLD)
+        for n, p in module.named_parameters():
+            if hasattr(p, "ds_tensor") and dist.get_process_group_ranks(p.ds_process_group) != ranks:
+                raise UnsupportedConfigError(f"engine {self.name!r}: parameter {n!r} is partitioned over other "
+                                             "ranks than the optimizer's data-parallel group")
 
     # -- safety net -----------------------------------------------------------------------------
     @torch.no_grad()

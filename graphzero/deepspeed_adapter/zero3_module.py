@@ -1,0 +1,82 @@
+"""ZeRO-3 parameters read as full tensors wherever the module reads them (SimpleFSDP's design).
+
+DeepSpeed keeps a ZeRO-3 parameter empty (``p.numel() == 0``) with this rank's shard in
+``p.ds_tensor``, and gathers it in per-submodule hooks. graphzero removes those hooks while it owns
+the engine. Instead, every module that holds a ZeRO-3 parameter gets its class swapped for a
+subclass (same name) with one property per parameter name, as torchtitan's SimpleFSDP does: the
+module keeps its methods, submodules, signatures (HF ``generate`` reads ``inspect.signature``) and
+instance attributes (wrapped forwards), and a read of ``module.weight``
+
+- while Dynamo traces (the compiled step; whatever it calls: forward, another method, a submodule,
+  the attribute itself) returns ``shard_gather.gather_shard(p.ds_tensor, ...)``: the gather is in
+  the forward graph, once per read, and the passes (release, schedule_gathers, bucket_gathers) find
+  it by its op as before; the gradient flows back to the shard by reduce-scatter;
+- in eager inside a module call (evaluation, ``generate``: a forward hook of any submodule is
+  running) returns a temporary gathered tensor from the same gather, so the current parameters are
+  seen and nothing stays gathered; a gradient computed eagerly reaches the shard (the safety net);
+- in eager outside any module call returns the DeepSpeed parameter itself, as DeepSpeed eager
+  does: ``GatheredParameters(module.weight)`` and edits inside it work unchanged.
+
+Not ``torch.nn.utils.parametrize``: it moves each parameter to ``parametrizations.<name>.original``,
+which renames it in ``named_parameters`` and ``state_dict`` (DeepSpeed's optimizer groups, its
+checkpoints and ``safe_get_full_grad`` key on the names and objects), and its parametrization
+would be called by DeepSpeed's own attribute reads outside the step. A property on the class reads
+``module._parameters`` and changes nothing else; ``__class__`` is put back on detach.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..shard_gather import gather_shard
+from .ledger import PatchLedger
+
+
+class _EagerDepth:
+    """How many module calls are running in eager code (hooks skip themselves under Dynamo)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def enter(self, _module, _args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.depth += 1
+
+    def leave(self, _module, _args, _output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.depth -= 1
+
+
+def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.nn.Module, str], torch.Tensor]:
+    def read(module: torch.nn.Module, name: str) -> torch.Tensor:
+        p = module._parameters[name]
+        if torch.compiler.is_compiling() or depth.depth > 0:
+            return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
+        return p
+    return read
+
+
+def _gathering_class(cls: type, names: tuple[str, ...], read: Callable) -> type:
+    props = {n: property(lambda self, n=n: read(self, n)) for n in names}
+    # Same name and module, so error messages, HF's class-name lookups and repr read as before.
+    props.update(__module__=cls.__module__, __qualname__=cls.__qualname__, _graphzero_gathering=True)
+    return type(cls.__name__, (cls,), props)
+
+
+def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchLedger) -> int:
+    """Make every ZeRO-3 parameter of ``module``'s tree read as a gathered tensor (see the module
+    docstring); every change goes through ``ledger``. Returns the number of modules swapped."""
+    depth = _EagerDepth()
+    read = _reader(depth, world, group_name)
+    swapped = 0
+    for sub in module.modules():
+        ledger.add_hook(sub.register_forward_pre_hook(depth.enter))
+        ledger.add_hook(sub.register_forward_hook(depth.leave, always_call=True))
+        names = tuple(n for n, p in sub._parameters.items() if p is not None and hasattr(p, "ds_tensor"))
+        if names and not getattr(type(sub), "_graphzero_gathering", False):
+            ledger.set_attr(sub, "__class__", _gathering_class(type(sub), names, read))
+            swapped += 1
+    return swapped
