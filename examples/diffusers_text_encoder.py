@@ -4,6 +4,7 @@ one added line is ``graphzero.accelerate.enable(accelerator)``.
 
     accelerate launch --config_file examples/accelerate_configs/zero2.yaml examples/diffusers_text_encoder.py
     accelerate launch --config_file examples/accelerate_configs/zero2_zero1.yaml examples/diffusers_text_encoder.py
+        --text-encoder-zero-stage 1   # (one command)
     accelerate launch --config_file examples/accelerate_configs/zero3.yaml examples/diffusers_text_encoder.py
     torchrun --nproc_per_node 2 examples/diffusers_text_encoder.py --unet-zero-stage 2 --text-encoder-zero-stage 1
     ... --bf16                      # both engines bf16 with fp32 gradient accumulation

@@ -22,6 +22,7 @@ from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreemen
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
+from .inductor_guards import backward_patches as inductor_guard_patches
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
@@ -296,6 +297,8 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
                 # full-size gradient alive until then.
                 patches = {"reorder_for_compute_comm_overlap": True,
                            "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
+            # torch < 2.15: switches that avoid a known inductor miscompile (inductor_guards.py)
+            patches = {**inductor_guard_patches(), **patches}
             with torch._inductor.config.patch(patches):
                 return compile_fx_inner(graph, inputs, **kwargs)
 

@@ -123,3 +123,81 @@ def test_diffusers_text_encoder(ranks, case):
     assert len(norms) == 3
     torch.testing.assert_close(norms, r0["expected_norms"], rtol=3e-2 if bf16 else 1e-4, atol=1e-6)
     assert r0["history"]["loss"][-1] < r0["history"]["loss"][0]
+
+
+# -- RLHF: PPO with actor, critic, reference, reward ----------------------------------------------
+
+
+def ppo_scenario(stage: int, lora: bool, steps: int) -> dict:
+    import rlhf_ppo as ex
+
+    _, world = rank_world()
+    ref = ex.Reference(lora=lora)
+    checked = []
+
+    def on_boundary(t, engines, batch):
+        for name, eng in engines.items():
+            model = ref.models[name]
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            got = dict(zip([n for n, p in eng.module.named_parameters() if p.requires_grad], full_params_trained(eng)))
+            assert list(got) == names, f"{name}: trained parameters differ"
+            assert_rel_l2_close(list(got.values()), [p.detach() for p in model.parameters() if p.requires_grad],
+                                tol=1e-5, what=f"step {t} {name} params")
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, batch["seq"].tolist())
+        own = ref.accumulate(t, world, gathered)   # scored from the engines' rollouts
+        # greedy generate on left-padded prompts gives the reference's tokens
+        assert gathered == own, f"step {t}: generated tokens differ: {gathered} vs the reference's {own}"
+        for name, eng in engines.items():
+            assert_grads_match(full_grads(eng), ref.grads(name), tol=1e-4, what=f"step {t} {name} grads")
+        checked.append(t)
+        ref.step()
+
+    history = ex.train(stage, steps=steps, lora=lora, on_boundary=on_boundary, log=lambda *a, **k: None)
+    return {"history": history, "checked": checked}
+
+
+def full_params_trained(eng) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = [p for p in eng.module.parameters() if p.requires_grad]
+    if eng.zero_optimization_stage() != 3:
+        return [p.detach().float().clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def zero3_module_support() -> bool:
+    """Whether this graphzero keeps a ZeRO-3 module usable outside the compiled step (generate with
+    left padding, eager calls): the z3module work (issue 16 items 1-2)."""
+    import graphzero.deepspeed_adapter.zero3 as z3
+
+    return "forward" not in z3.Zero3Binding.install.__code__.co_names
+
+
+NEEDS_Z3MODULE = pytest.mark.xfail(
+    not zero3_module_support(),
+    reason="ZeRO-3 generate with left padding and eager module calls outside the compiled step need the "
+    "z3module branch (issue 16 item 1: gathers follow the module tree, signatures kept)",
+    strict=False,
+)
+PPO = {"zero2": (2, False), "zero2-lora": (2, True), "zero3": (3, False), "zero3-lora": (3, True)}
+DEFAULT_PPO = ["zero2"]
+
+
+def ppo_cases() -> list:
+    cases = []
+    for case, (stage, _) in PPO.items():
+        marks = [] if FULL or case in DEFAULT_PPO else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]
+        if stage == 3:
+            marks.append(NEEDS_Z3MODULE)
+        cases.append(pytest.param(case, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("case", ppo_cases())
+def test_rlhf_ppo(ranks, case):
+    stage, lora = PPO[case]
+    results = ranks.run(ppo_scenario, stage, lora, 3, timeout=900)
+    assert results[0]["checked"] == [0, 1, 2]
+    assert results[0]["history"]["loss"] == results[1]["history"]["loss"]

@@ -1,0 +1,35 @@
+"""Inductor config switches that keep graphzero's graphs correct on torch versions with a known
+inductor miscompile (docs/inductor-unet-miscompile.md).
+
+torch 2.13 (and 2.14, not measured: same scheduler code) CPU inductor computes wrong gradients for
+a diffusers UNet's backward (an up block's residual + nearest-upsample + conv: the gradient entering
+the block is entirely wrong), with or without graphzero. The scheduler's "loop reindexing after
+fusion" (``loop_reindexing_after_fusion``, pytorch #183521) fuses a pointwise node into a reduction
+after rewriting its indexing; switching it off gives exact gradients. torch 2.15.0 is exact with it
+on. graphzero turns it off for the graphs it compiles (its backward graphs) on torch < 2.15; a user's
+own ``torch.compile`` of other code is not changed.
+
+The versions helper's ``inductor_config.py`` holds the overlap-pass pins per version; this module
+holds only correctness guards, one function.
+"""
+from __future__ import annotations
+
+import torch
+
+# (first fixed version, {config key: value}): switch off while torch is older than that version.
+_GUARDS = (((2, 15), {"loop_reindexing_after_fusion": False}),)
+
+
+def _version(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def backward_patches(version: str | None = None) -> dict:
+    """``torch._inductor.config.patch`` arguments for graphzero's backward graphs on this torch."""
+    current = _version(version or torch.__version__)
+    patches: dict = {}
+    for fixed_in, switches in _GUARDS:
+        if current < fixed_in:
+            patches.update(switches)
+    return patches
