@@ -50,10 +50,38 @@ def unet_case(seed: int = 0):
     return model, loss, (x, t, ctx, target)
 
 
-def minimal_case(seed: int = 0):
-    from repro_unet_minimal import case
+class UpPath(torch.nn.Module):
+    """The UNet's two up blocks alone: UpBlock2D (4x4, resnets + nearest-2x upsample + conv), then
+    CrossAttnUpBlock2D (8x8). Compiled together their backward is wrong; each alone is exact."""
 
-    return case(seed)
+    def __init__(self, unet) -> None:
+        super().__init__()
+        self.up0, self.up1 = unet.up_blocks[0], unet.up_blocks[1]
+
+    def forward(self, hidden, res0, res1, temb, skip0, skip1, enc):
+        hidden = self.up0(hidden, (res0, res1), temb)
+        return self.up1(hidden, (skip0, skip1), temb, encoder_hidden_states=enc)
+
+
+def minimal_case(seed: int = 0):
+    """The reduced repro: the up path with the inputs the full UNet gives it."""
+    model, _, (x, t, ctx, _) = unet_case(seed)
+    seen = {}
+    hooks = [model.up_blocks[i].register_forward_hook(lambda m, a, kw, out, i=i: seen.update({i: kw}),
+                                                      with_kwargs=True) for i in (0, 1)]
+    with torch.no_grad():
+        model(x, t, encoder_hidden_states=ctx)
+    for h in hooks:
+        h.remove()
+    inputs = (seen[0]["hidden_states"], *seen[0]["res_hidden_states_tuple"], seen[0]["temb"],
+              *seen[1]["res_hidden_states_tuple"], seen[1]["encoder_hidden_states"])
+    target = torch.randn(2, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def loss(m, *args):
+        *inputs, target = args
+        return (m(*inputs) * target).sum()
+
+    return UpPath(model), loss, (*inputs, target)
 
 
 def grads(model, loss, args, compiled: bool, dtype=torch.float32):
