@@ -39,7 +39,9 @@ def gpt2_config():
 
     # initializer_range 0.5, not GPT-2's 0.02: a random model with near-flat logits makes greedy
     # decoding flip on rounding differences; these logits are decisive.
+    # no dropout: the rollout and the loss must be deterministic (a reference replays them)
     return GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, initializer_range=0.5,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                       bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
 
 

@@ -23,6 +23,7 @@ from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import GraphZeroError, UnsupportedConfigError
 from .inductor_guards import backward_patches as inductor_guard_patches
+from .inductor_guards import device_type_of
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
@@ -298,7 +299,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
                 patches = {"reorder_for_compute_comm_overlap": True,
                            "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"]}
             # torch < 2.15: switches that avoid a known inductor miscompile (inductor_guards.py)
-            patches = {**inductor_guard_patches(), **patches}
+            patches = {**inductor_guard_patches(device_type=device_type_of(inputs)), **patches}
             with torch._inductor.config.patch(patches):
                 return compile_fx_inner(graph, inputs, **kwargs)
 

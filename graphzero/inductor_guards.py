@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-# (first fixed version, {config key: value}): switch off while torch is older than that version.
-_GUARDS = (((2, 15), {"loop_reindexing_after_fusion": False}),)
+# (first fixed version, device types, {config key: value}): applied while torch is older than that
+# version, to graphs on those devices.
+_GUARDS = (((2, 15), ("cpu",), {"loop_reindexing_after_fusion": False}),)
 
 
 def _version(version: str) -> tuple[int, int]:
@@ -25,11 +26,19 @@ def _version(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def backward_patches(version: str | None = None) -> dict:
-    """``torch._inductor.config.patch`` arguments for graphzero's backward graphs on this torch."""
+def backward_patches(version: str | None = None, device_type: str = "cpu") -> dict:
+    """``torch._inductor.config.patch`` arguments for a graphzero backward graph on ``device_type``
+    under torch ``version`` (default: this torch)."""
     current = _version(version or torch.__version__)
     patches: dict = {}
-    for fixed_in, switches in _GUARDS:
-        if current < fixed_in:
+    for fixed_in, devices, switches in _GUARDS:
+        if current < fixed_in and device_type in devices:
             patches.update(switches)
     return patches
+
+
+def device_type_of(example_inputs) -> str:
+    """The device type a graph computes on: "cuda" if any example input is on CUDA, else the first
+    tensor's (graphzero's graphs are single-device)."""
+    types = [t.device.type for t in example_inputs if isinstance(t, torch.Tensor)]
+    return "cuda" if "cuda" in types else (types[0] if types else "cpu")
