@@ -3,11 +3,13 @@ inductor miscompile (docs/inductor-unet-miscompile.md).
 
 torch 2.13 (and 2.14, not measured: same scheduler code) CPU inductor computes wrong gradients for
 a diffusers UNet's backward (an up block's residual + nearest-upsample + conv: the gradient entering
-the block is entirely wrong), with or without graphzero. The scheduler's "loop reindexing after
-fusion" (``loop_reindexing_after_fusion``, pytorch #183521) fuses a pointwise node into a reduction
-after rewriting its indexing; switching it off gives exact gradients. torch 2.15.0 is exact with it
-on. graphzero turns it off for the graphs it compiles (its backward graphs) on torch < 2.15; a user's
-own ``torch.compile`` of other code is not changed.
+the block is entirely wrong), with or without graphzero. It is a scheduler fusion fault: no narrower switch measured avoids it
+(pattern_matcher, cpp.simdlen=1, split_reductions, loop_ordering_after_fusion,
+loop_reindexing_after_fusion, inplace_buffers, allow_buffer_reuse, cpp.max_horizontal_fusion_size
+all still wrong); ``max_fusion_size=1`` (no fusion) is exact. graphzero sets it for the backward
+graphs it compiles on CPU under torch < 2.15 (the forward is exact; CUDA not measured: not
+guarded). Cost: unfused pointwise kernels in those backward graphs. A user's own ``torch.compile``
+of other code is not changed.
 
 The versions helper's ``inductor_config.py`` holds the overlap-pass pins per version; this module
 holds only correctness guards, one function.
@@ -18,7 +20,7 @@ import torch
 
 # (first fixed version, device types, {config key: value}): applied while torch is older than that
 # version, to graphs on those devices.
-_GUARDS = (((2, 15), ("cpu",), {"loop_reindexing_after_fusion": False}),)
+_GUARDS = (((2, 15), ("cpu",), {"max_fusion_size": 1}),)
 
 
 def _version(version: str) -> tuple[int, int]:

@@ -141,8 +141,15 @@ def ppo_scenario(stage: int, lora: bool, steps: int) -> dict:
             names = [n for n, p in model.named_parameters() if p.requires_grad]
             got = dict(zip([n for n, p in eng.module.named_parameters() if p.requires_grad], full_params_trained(eng)))
             assert list(got) == names, f"{name}: trained parameters differ"
-            assert_rel_l2_close(list(got.values()), [p.detach() for p in model.parameters() if p.requires_grad],
-                                tol=1e-5, what=f"step {t} {name} params")
+            want = {n: p.detach().float() for n, p in model.named_parameters() if p.requires_grad}
+            for n in names:
+                if n.endswith("c_attn.bias"):
+                    # q, k, v biases: the key bias's exact gradient is zero, so Adam turns rounding
+                    # noise into steps of up to lr each: only that bound for the k third
+                    (gq, gk, gv), (wq, wk, wv) = got[n].chunk(3), want[n].chunk(3)
+                    assert float((gk - wk).abs().max()) <= 2 * LR_BOUND, f"step {t} {name} {n} (key bias)"
+                    got[n], want[n] = torch.cat([gq, gv]), torch.cat([wq, wv])
+            assert_rel_l2_close(list(got.values()), list(want.values()), tol=1e-5, what=f"step {t} {name} params")
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, batch["seq"].tolist())
         own = ref.accumulate(t, world, gathered)   # scored from the engines' rollouts

@@ -15,8 +15,8 @@ from graphzero.inductor_guards import backward_patches
 
 
 def test_patches_per_version():
-    assert backward_patches("2.13.0+cpu") == {"loop_reindexing_after_fusion": False}
-    assert backward_patches("2.14.1") == {"loop_reindexing_after_fusion": False}
+    assert backward_patches("2.13.0+cpu") == {"max_fusion_size": 1}
+    assert backward_patches("2.14.1") == {"max_fusion_size": 1}
     assert backward_patches("2.15.0") == {}
     assert backward_patches("2.16.0.dev20261201") == {}
     assert backward_patches("2.13.0", device_type="cuda") == {}  # measured on CPU only
