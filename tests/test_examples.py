@@ -10,7 +10,7 @@ ZeRO-2 + ZeRO-1, ZeRO-3, bf16; PPO ZeRO-2/ZeRO-3, LoRA).
 
 Tolerances: fp32 gradients 1e-4 relative L2 per tensor, bf16 3% (test_bf16.py), each relative to
 at least 1e-3 of the model's total gradient norm (a key bias's exact gradient is zero: its reference
-holds rounding noise only); parameters 1e-5 relative L2 (bf16 1e-2); norms rtol 1e-4 (bf16 3e-2).
+holds rounding noise only); parameters 1e-4 relative L2 (bf16 1e-2; Adam amplifies rounding); norms rtol 1e-4 (bf16 3e-2).
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def diffusers_scenario(unet_stage: int, text_stage: int, bf16: bool, gas: int, s
         def on_boundary(t, engines):
             for name, eng in engines.items():
                 # parameters after t steps (bf16 engines: their bf16 weights vs fp32 masters)
-                assert_params_match(eng, ref.models[name], tol=1e-2 if bf16 else 1e-5, what=f"step {t} {name}")
+                assert_params_match(eng, ref.models[name], tol=1e-2 if bf16 else 1e-4, what=f"step {t} {name}")
             ref.accumulate(t, world, gas)
             for name, eng in engines.items():
                 assert_grads_match(full_grads(eng), ref.grads(name), tol=grad_tol, what=f"step {t} {name} grads")
