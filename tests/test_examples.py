@@ -151,7 +151,7 @@ def ppo_scenario(stage: int, lora: bool, steps: int) -> dict:
                     (gq, gk, gv), (wq, wk, wv) = got[n].chunk(3), want[n].chunk(3)
                     assert float((gk - wk).abs().max()) <= 2 * LR_BOUND, f"step {t} {name} {n} (key bias)"
                     got[n], want[n] = torch.cat([gq, gv]), torch.cat([wq, wv])
-            assert_rel_l2_close(list(got.values()), list(want.values()), tol=1e-5, what=f"step {t} {name} params")
+            assert_rel_l2_close(list(got.values()), list(want.values()), tol=1e-4, what=f"step {t} {name} params")
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, batch["seq"].tolist())
         own = ref.accumulate(t, world, gathered)   # scored from the engines' rollouts
