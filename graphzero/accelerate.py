@@ -33,6 +33,18 @@ models it would step every model reached by a loss, so a two-phase GAN (D-step, 
 whose loss also reaches D) would step D twice, on the generator's loss. Driving the engines from
 their optimizers gives each model exactly the step the loop asks for, as in plain PyTorch.
 
+- ``accelerator.clip_grad_norm_(parameters, max_norm)`` returns the gradient norm of the *current*
+  step (Accelerate's DeepSpeed path returns the engine's cached norm, which under graphzero, whose
+  backward does not step, would be the previous step's): at a sync step, the pre-clip global norm of
+  the reduced gradients of every attached engine that owns one of ``parameters``, combined as one
+  vector's norm ``sqrt(sum of each engine's norm squared)`` (Accelerate defines it as "the total norm
+  of the parameter gradients, viewed as a single vector"; with one engine it is that engine's
+  ``get_global_grad_norm()`` after the step). It is a collective (call it on every rank, as
+  Accelerate's loops do). Inside an accumulation window (no sync) it returns the engines' last
+  norms without communicating, as Accelerate does. Clipping itself stays DeepSpeed's (each engine by
+  its own ``gradient_clipping``; ``max_norm`` is ignored, as under Accelerate's DeepSpeed path).
+  An engine's norm is an engine-wide quantity: passing only some of an engine's parameters gives
+  the whole engine's norm.
 - ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine (graphzero reduces
   in-graph: ZeRO-2 every micro-batch, ZeRO-1 at the boundary, which ``accelerator.backward`` sets
   from ``sync_gradients`` before the backward; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks
@@ -76,6 +88,7 @@ from .accelerate_checks import (
     describe,
     is_engine,
 )
+from .deepspeed_adapter.grad_norm import current_grad_norm
 from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")
@@ -165,6 +178,7 @@ def disable(*accelerators: Any) -> None:
                 deepspeed_adapter.detach(engine)
         accelerator.deepspeed_engine_wrapped = state["wrapped"]
         accelerator.__dict__.pop("no_sync", None)
+        accelerator.__dict__.pop("clip_grad_norm_", None)
         delattr(accelerator, _ATTR)
 
 
@@ -290,6 +304,48 @@ def _patch_accelerator(accelerator: Any) -> None:
                 yield
 
     accelerator.no_sync = no_sync
+    original_clip = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        parameters = list(parameters)
+        records = _owning_records(accelerator, parameters)
+        if not records:  # no attached engine's parameters: Accelerate's own behaviour
+            return original_clip(parameters, max_norm, norm_type=norm_type)
+        if norm_type != 2:
+            raise AccelerateError(
+                f"accelerator.clip_grad_norm_(norm_type={norm_type}) on models {[r.name for r in records]}: "
+                "DeepSpeed engines compute the L2 norm only"
+            )
+        return _combined_norm(records, accelerator.sync_gradients)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _owning_records(accelerator: Any, parameters: list) -> list[_Model]:
+    """The attached models owning any of ``parameters``, in registry order."""
+    ids = {id(p) for p in parameters}
+    return [
+        record
+        for record in _registry(accelerator).values()
+        if deepspeed_adapter.binding_of(record.engine) is not None
+        and any(id(p) in ids for p in record.engine.module.parameters())
+    ]
+
+
+def _combined_norm(records: list[_Model], sync: bool) -> float | None:
+    """sqrt(sum of squares) of the engines' norms: at a sync step the current one (collective on
+    every engine's data-parallel group, in the same order on every rank), else the last step's."""
+    squares = 0.0
+    for record in records:
+        if sync and _has_gradients(record.engine):
+            norm = current_grad_norm(record.engine)
+        else:
+            norm = record.engine.get_global_grad_norm()
+            if norm is None:
+                continue
+            norm = float(norm)
+        squares += norm * norm
+    return squares**0.5
 
 
 __all__ = ["MAX_VERSION_EXCLUSIVE", "MIN_VERSION", "disable", "enable"]

@@ -22,6 +22,8 @@ from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
 from .inductor_config import inductor_patch
+from .inductor_guards import backward_patches as inductor_guard_patches
+from .inductor_guards import device_type_of
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
@@ -270,9 +272,12 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
                 return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
 
         def compile_backward(graph: fx.GraphModule, inputs: list[Any], ctx: PassContext):
-            # inductor_config says which of inductor's own comm passes run on graphzero's graphs, and why
+            # inductor_config says which of inductor's own comm passes run on graphzero's graphs, and why;
+            # inductor_guards adds the switches that avoid a known torch < 2.15 CPU miscompile
             overlap = t.opts.overlap and bool(ctx.runtime_inputs)
-            with torch._inductor.config.patch(inductor_patch(backward=True, overlap=overlap, gathers=t.gathers)):
+            patches = {**inductor_guard_patches(device_type=device_type_of(inputs)),
+                       **inductor_patch(backward=True, overlap=overlap, gathers=t.gathers)}
+            with torch._inductor.config.patch(patches):
                 return compile_fx_inner(graph, inputs, **kwargs)
 
         return t.backward(graph, inputs, compile_backward)

@@ -1,0 +1,212 @@
+"""The shipped examples (examples/diffusers_text_encoder.py, examples/rlhf_ppo.py) against a
+single-process reference, their functions driven in the shared rank pool (2 gloo ranks) rather than
+through torchrun: >= 3 optimizer steps; at every accumulation boundary every gradient each engine
+holds (DeepSpeed's ``safe_get_full_grad``), the parameters before the step, and the norm
+``accelerator.clip_grad_norm_`` returns.
+
+Default suite: one configuration per example (the diffusers loop at ZeRO-2 + ZeRO-1, gas 2, on the
+default path; PPO at ZeRO-2). ``GRAPHZERO_MATRIX=full``: every configuration (diffusers ZeRO-2,
+ZeRO-2 + ZeRO-1, ZeRO-3, bf16; PPO ZeRO-2/ZeRO-3, LoRA).
+
+Tolerances: fp32 gradients 1e-4 relative L2 per tensor, bf16 3% (test_bf16.py), each relative to
+at least 1e-3 of the model's total gradient norm (a key bias's exact gradient is zero: its reference
+holds rounding noise only); parameters 1e-4 relative L2 (bf16 1e-2; Adam amplifies rounding); norms rtol 1e-4 (bf16 3e-2).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from test_accelerate import fresh_accelerate
+
+from scenario_utils import assert_rel_l2_close, full_grads, rank_world
+
+LR_BOUND = 1e-3 * 3  # the examples' learning rate x steps: how far Adam can move any parameter
+FULL = os.environ.get("GRAPHZERO_MATRIX") == "full"
+# a UNet + text encoder compile on 2 ranks: minutes on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_ranks_after(ranks):
+    # ZeRO-3 initialisation patches torch.nn.functional.linear process-wide (test_zero3.py).
+    yield
+    ranks.close()
+
+
+def full_params(eng) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = list(eng.module.parameters())
+    if eng.zero_optimization_stage() != 3:
+        return [p.detach().float().clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def assert_grads_match(actual, expected, *, tol: float, what: str) -> None:
+    """Per tensor ||a - e|| <= tol * max(||e||, 1e-3 * the model's total gradient norm): relative L2,
+    with a floor for tensors whose exact gradient is zero and whose reference holds rounding noise
+    only (attention key biases: softmax is invariant to them)."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} tensors vs {len(expected)}"
+    total = float(torch.linalg.vector_norm(torch.stack([e.float().norm() for e in expected])))
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        a, e = a.float(), e.float()
+        err = float((a - e).norm())
+        scale = max(float(e.norm()), 1e-3 * total)
+        assert err <= tol * scale, f"{what}: tensor {i}: error {err:.3g} > {tol} x {scale:.3g} (|e| {float(e.norm()):.3g})"
+
+
+def assert_params_match(eng, ref_model, *, tol: float, what: str) -> None:
+    """Relative L2 per parameter, except attention key biases: their exact gradient is zero, so
+    Adam (which normalises the update) turns rounding noise into steps of up to lr each; for them
+    only that bound is checked."""
+    names = [n for n, _ in eng.module.named_parameters()]
+    actual, expected = full_params(eng), [p.detach().float() for p in ref_model.parameters()]
+    noise_only = [i for i, n in enumerate(names) if n.endswith("k_proj.bias")]
+    for i in noise_only:
+        assert float((actual[i] - expected[i]).abs().max()) <= 2 * LR_BOUND, f"{what}: {names[i]}"
+    keep = [i for i in range(len(names)) if i not in noise_only]
+    assert_rel_l2_close([actual[i] for i in keep], [expected[i] for i in keep], tol=tol, what=f"{what} params")
+
+
+# -- diffusers: UNet + text encoder --------------------------------------------------------------
+
+
+def diffusers_scenario(unet_stage: int, text_stage: int, bf16: bool, gas: int, steps: int, options) -> dict:
+    import diffusers_text_encoder as ex
+
+    _, world = rank_world()
+    grad_tol = 3e-2 if bf16 else 1e-4
+    with fresh_accelerate():
+        ref = ex.Reference(bf16=bf16)
+        expected_norms = []
+
+        def on_boundary(t, engines):
+            for name, eng in engines.items():
+                # parameters after t steps (bf16 engines: their bf16 weights vs fp32 masters)
+                assert_params_match(eng, ref.models[name], tol=1e-2 if bf16 else 1e-4, what=f"step {t} {name}")
+            ref.accumulate(t, world, gas)
+            for name, eng in engines.items():
+                assert_grads_match(full_grads(eng), ref.grads(name), tol=grad_tol, what=f"step {t} {name} grads")
+            expected_norms.append((ref.norm("unet") ** 2 + ref.norm("text_encoder") ** 2) ** 0.5)
+            ref.step()
+
+        history = ex.train(unet_stage, text_stage, steps=steps, gas=gas, bf16=bf16, options=options,
+                           on_boundary=on_boundary, log=lambda *a, **k: None)
+        return {"history": history, "expected_norms": expected_norms}
+
+
+DIFFUSERS = {
+    "zero2+zero1": (2, 1, False),
+    "zero2": (2, 2, False),
+    "zero3": (3, 3, False),
+    "bf16-zero2+zero1": (2, 1, True),
+    "bf16-zero3": (3, 3, True),
+}
+DEFAULT_DIFFUSERS = ["zero2+zero1"]
+
+
+@pytest.mark.parametrize("case", [c if FULL or c in DEFAULT_DIFFUSERS else
+                                  pytest.param(c, marks=pytest.mark.skip("GRAPHZERO_MATRIX=full"))
+                                  for c in DIFFUSERS])
+def test_diffusers_text_encoder(ranks, case):
+    unet_stage, text_stage, bf16 = DIFFUSERS[case]
+    results = ranks.run(diffusers_scenario, unet_stage, text_stage, bf16, 2, 3, None, timeout=900)
+    r0 = results[0]
+    assert r0["history"] == results[1]["history"], "ranks disagree on the loss or the norm"
+    norms = r0["history"]["clip_grad_norm"]
+    assert len(norms) == 3
+    torch.testing.assert_close(norms, r0["expected_norms"], rtol=3e-2 if bf16 else 1e-4, atol=1e-6)
+    assert r0["history"]["loss"][-1] < r0["history"]["loss"][0]
+
+
+# -- RLHF: PPO with actor, critic, reference, reward ----------------------------------------------
+
+
+def ppo_scenario(stage: int, lora: bool, steps: int) -> dict:
+    import rlhf_ppo as ex
+
+    _, world = rank_world()
+    ref = ex.Reference(lora=lora)
+    checked = []
+
+    def on_boundary(t, engines, batch):
+        for name, eng in engines.items():
+            model = ref.models[name]
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            got = dict(zip([n for n, p in eng.module.named_parameters() if p.requires_grad], full_params_trained(eng)))
+            assert list(got) == names, f"{name}: trained parameters differ"
+            want = {n: p.detach().float() for n, p in model.named_parameters() if p.requires_grad}
+            for n in names:
+                if n.endswith("c_attn.bias"):
+                    # q, k, v biases: the key bias's exact gradient is zero, so Adam turns rounding
+                    # noise into steps of up to lr each: only that bound for the k third
+                    (gq, gk, gv), (wq, wk, wv) = got[n].chunk(3), want[n].chunk(3)
+                    assert float((gk - wk).abs().max()) <= 2 * LR_BOUND, f"step {t} {name} {n} (key bias)"
+                    got[n], want[n] = torch.cat([gq, gv]), torch.cat([wq, wv])
+            assert_rel_l2_close(list(got.values()), list(want.values()), tol=1e-4, what=f"step {t} {name} params")
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, batch["seq"].tolist())
+        own = ref.accumulate(t, world, gathered)   # scored from the engines' rollouts
+        # greedy generate on left-padded prompts gives the reference's tokens
+        assert gathered == own, f"step {t}: generated tokens differ: {gathered} vs the reference's {own}"
+        for name, eng in engines.items():
+            assert_grads_match(full_grads(eng), ref.grads(name), tol=1e-4, what=f"step {t} {name} grads")
+        checked.append(t)
+        ref.step()
+
+    history = ex.train(stage, steps=steps, lora=lora, on_boundary=on_boundary, log=lambda *a, **k: None)
+    return {"history": history, "checked": checked}
+
+
+def full_params_trained(eng) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = [p for p in eng.module.parameters() if p.requires_grad]
+    if eng.zero_optimization_stage() != 3:
+        return [p.detach().float().clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def zero3_module_support() -> bool:
+    """Whether this graphzero keeps a ZeRO-3 module usable outside the compiled step (generate with
+    left padding, eager calls): the z3module work (issue 16 items 1-2)."""
+    import graphzero.deepspeed_adapter.zero3 as z3
+
+    return "forward" not in z3.Zero3Binding.install.__code__.co_names
+
+
+NEEDS_Z3MODULE = pytest.mark.xfail(
+    not zero3_module_support(),
+    reason="ZeRO-3 generate with left padding and eager module calls outside the compiled step need the "
+    "z3module branch (issue 16 item 1: gathers follow the module tree, signatures kept)",
+    strict=False,
+)
+PPO = {"zero2": (2, False), "zero2-lora": (2, True), "zero3": (3, False), "zero3-lora": (3, True)}
+DEFAULT_PPO = ["zero2"]
+
+
+def ppo_cases() -> list:
+    cases = []
+    for case, (stage, _) in PPO.items():
+        marks = [] if FULL or case in DEFAULT_PPO else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]
+        if stage == 3:
+            marks.append(NEEDS_Z3MODULE)
+        cases.append(pytest.param(case, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("case", ppo_cases())
+def test_rlhf_ppo(ranks, case):
+    stage, lora = PPO[case]
+    results = ranks.run(ppo_scenario, stage, lora, 3, timeout=900)
+    assert results[0]["checked"] == [0, 1, 2]
+    assert results[0]["history"]["loss"] == results[1]["history"]["loss"]
