@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup
 from . import lean_step
 from .base import DeepSpeedBinding
@@ -58,6 +59,9 @@ class ZeroBinding(DeepSpeedBinding):
         if self.lean_step is not None:
             self.param_sync.wait()
             del opt.step
+        if self.param_set.norm is not None:
+            self.param_set.norm.forget()
+            self.param_set.norm = None
         if not self.want_lean_step:
             return
         reason = lean_step.unsupported_reason(self.engine)
@@ -65,7 +69,10 @@ class ZeroBinding(DeepSpeedBinding):
             log.info("engine %r: DeepSpeed's own optimizer step (graphzero's lean step does not cover %s)",
                      self.name, reason)
             return
-        opt.step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None)
+        # graphs compiled from now on fold the squared norm into the backward (norm_fold.py)
+        ps = self.param_set
+        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+        opt.step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None, ps.norm)
 
     def install(self) -> None:
         super().install()
@@ -76,6 +83,9 @@ class ZeroBinding(DeepSpeedBinding):
         self.param_sync.uninstall()   # waits for a deferred all-gather first
         if self.lean_step is not None:
             del self.engine.optimizer.step
+        if self.param_set.norm is not None:
+            self.param_set.norm.forget()
+            self.param_set.norm = None
         super().uninstall()
 
     def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
