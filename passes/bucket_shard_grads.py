@@ -138,6 +138,8 @@ def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         previous_tail = tail
         ctx.count(ps, "gradient_buckets")
         ctx.count(ps, "reduce_scatter")
+        val = rs.args[0].meta["val"]
+        ctx.count(ps, "comm_bytes_per_step", val.numel() * val.element_size())
         ctx.zero3_plan.append(("grad", ps.name, rs.args[3], rs.args[2],
                                 tuple((o.qualname, w.meta["val"].numel()) for _, w, o in bucket)))
     gm.graph.lint()
