@@ -217,6 +217,8 @@ class BackwardWithRuntimeInputs:
         self.local = dict(ctx.local)
         self.positions = {ps: [(g.owned.group, g.owned.position) for g in ctx.grads if g.owned.param_set is ps]
                           for ps in self.local}
+        # engines whose squared gradient norm this backward computes (fold_norm)
+        self.norm_sets = {ps for kind, ps, _ in self.runtime_inputs if kind == "norm"}
 
     def _scale(self, value: float, device: torch.device) -> torch.Tensor:
         # on the engine's device, as the graph's other inputs; a fill, not a host-to-device copy
@@ -231,13 +233,20 @@ class BackwardWithRuntimeInputs:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
                                  "call torch._dynamo.reset() or compile the step again")
         accumulating = self.probe.accumulating()
-        buffers, scales, local = {}, {}, {}
+        buffers, scales, local, norms, folds = {}, {}, {}, {}, {}
         for ps in self.param_sets:
             mode = self.local.get(ps)
+            if ps in self.norm_sets:
+                # the squares of this backward's final shards (norm_fold.py); scratch if nothing reads them
+                fold = ps.norm if accumulating[ps] else None
+                norms[ps] = {None: (fold.buffer(ps.device) if fold is not None
+                                    else torch.zeros(len(ps.groups), device=ps.device))}
             if accumulating[ps]:
                 if mode != "accumulate":
                     ps.mark_present(self.present[ps])
                     buffers[ps] = ps.sinks()
+                    if ps in norms and ps.norm is not None:
+                        folds[ps] = ps.norm.writes
                 if mode is not None:
                     local[ps] = ps.local.buffers(ps.device)
             else:
@@ -248,13 +257,15 @@ class BackwardWithRuntimeInputs:
                 if mode is not None:
                     local[ps] = ps.local.scratch(ps.device)
             scales[ps] = ps.runtime_scale()
-        runtime = {"sink": buffers, "local": local}
+        runtime = {"sink": buffers, "local": local, "norm": norms}
         args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps], ps.device)
                     for kind, ps, g in self.runtime_inputs)
         for _, group in self.groups:
             rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)
         with rank_agreement.collective_failures(self.what):
             out = self.compiled(args)
+        for ps, writes in folds.items():
+            ps.norm.issue(writes, norms[ps][None])
         for ps, mode in self.local.items():
             if accumulating[ps]:
                 (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])

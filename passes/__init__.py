@@ -17,6 +17,7 @@ from .annotate_owner import annotate_owner
 from .bucket import bucket
 from .bucket_gathers import bucket_gathers_backward, bucket_gathers_forward
 from .bucket_shard_grads import bucket_shard_grads
+from .fold_norm import fold_norm
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
 from .local_accumulate import local_accumulate
@@ -31,9 +32,10 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1, gas > 1: keeps a
 #   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
 #   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
-#   fp32_accumulate -> ctx.runtime_inputs (and drops owned grads from the outputs); schedule_overlap moves waits.
+#   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
+#   fold_norm (the squared norm of each accumulated shard, for the lean step); schedule_overlap moves waits.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
-                              schedule_overlap)
+                              fold_norm, schedule_overlap)
 # release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # wait_params: ZeRO-1/2 parameters wait for a deferred all-gather before their first read;
@@ -75,6 +77,7 @@ __all__ = [
     "bucket_gathers_backward",
     "bucket_gathers_forward",
     "bucket_shard_grads",
+    "fold_norm",
     "fp32_accumulate",
     "insert_reduce_scatter",
     "local_accumulate",

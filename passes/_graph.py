@@ -68,6 +68,9 @@ class PassContext:
     # gradient reduce-scatter ("grad"): (side, engine, group, world, ((param, shard numel), ...));
     # nothing rank-specific
     zero3_plan: list[tuple] = dataclasses.field(default_factory=list)
+    # (param set, group) -> the node holding that group's whole gradient shard after this backward's
+    # accumulation (fp32_accumulate); fold_norm takes its squared norm
+    accumulated: dict[tuple[ParamSet, int], fx.Node] = dataclasses.field(default_factory=dict)
 
     @property
     def collective_plan(self) -> list[tuple]:

@@ -1,6 +1,8 @@
 """bucket_shard_grads: one reduce-scatter per bucket of ZeRO-3 shard gradients instead of one each.
 
-Runs on the backward graph before annotate_owner. Each ZeRO-3 shard's gradient arrives from the
+Runs on the backward graph before annotate_owner. First, a parameter gathered several times
+(an engine called twice in the step) has its full gradients summed and reduce-scattered once
+(``_sum_before_reduce``). Each ZeRO-3 shard's gradient arrives from the
 gather's backward as ``reduce_scatter_tensor(padded full gradient)`` -> ``wait_tensor`` -> graph
 output. Walking those reduce-scatters in graph order (the order backward produces gradients), it
 groups consecutive ones of one engine (same process group, dtype) into buckets of at most the
@@ -27,6 +29,47 @@ from ._graph import Inserter, PassContext, last_in_order, output_node
 PASS = "bucket_shard_grads"
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+
+
+def _is_lone_reduce(node: object) -> bool:
+    """``wait_tensor(reduce_scatter_tensor(x))`` with no other user of either."""
+    if not isinstance(node, fx.Node) or node.target is not c10d.wait_tensor.default or len(node.users) != 1:
+        return False
+    rs = node.args[0]
+    return rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1
+
+
+def _sum_before_reduce(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """A parameter gathered more than once in the graph (an engine called twice: a GAN's
+    discriminator) gets one reduce-scatter per gather, and autograd adds the reduced shards. The
+    reduce-scatter is linear, so reduce the sum instead: one reduce-scatter of the summed full
+    gradient, as DeepSpeed reduces the accumulated ``.grad`` once (bytes per step = DeepSpeed's).
+    ``add(wait(rs(a)), wait(rs(b)))`` becomes ``wait(rs(a + b))``, repeated for three or more calls."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+                continue
+            a, b = node.args
+            if not (_is_lone_reduce(a) and _is_lone_reduce(b)) or a is b:
+                continue
+            rs_a, rs_b = a.args[0], b.args[0]
+            x, y = rs_a.args[0], rs_b.args[0]
+            if rs_a.args[1:] != rs_b.args[1:] or x.meta["val"].shape != y.meta["val"].shape \
+                    or x.meta["val"].dtype != y.meta["val"].dtype:
+                continue
+            engine = node.meta.get("graphzero", {}).get("engine", "")
+            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, y]))
+            total = ins.call(aten.add.Tensor, (x, y), engine=engine,
+                             why="sum a parameter's full gradients over its calls, then reduce-scatter once")
+            rs = ins.call(c10d.reduce_scatter_tensor.default, (total, *rs_a.args[1:]), engine=engine,
+                          why="one reduce-scatter of the summed gradient")
+            wait = ins.call(c10d.wait_tensor.default, (rs,), engine=engine, why="wait for it")
+            node.replace_all_uses_with(wait)
+            for dead in (node, a, b, rs_a, rs_b):
+                gm.graph.erase_node(dead)
+            changed = True
 
 
 def _shard_grads(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx.Node, object]]:
@@ -112,6 +155,7 @@ def _merge(gm: fx.GraphModule, ctx: PassContext, b: int, bucket: list) -> fx.Nod
 
 
 def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    _sum_before_reduce(gm, ctx)
     grads = _shard_grads(gm, ctx)
     if not grads:
         return gm
@@ -138,6 +182,8 @@ def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         previous_tail = tail
         ctx.count(ps, "gradient_buckets")
         ctx.count(ps, "reduce_scatter")
+        val = rs.args[0].meta["val"]
+        ctx.count(ps, "comm_bytes_per_step", val.numel() * val.element_size())
         ctx.zero3_plan.append(("grad", ps.name, rs.args[3], rs.args[2],
                                 tuple((o.qualname, w.meta["val"].numel()) for _, w, o in bucket)))
     gm.graph.lint()

@@ -115,6 +115,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                              why=f"average: 1/(world {ps.world_size} x gas)")
         total = ins.call(aten.add.Tensor, (sink, delta), engine=ps.name, why=f"accumulate into the {ps.accum_dtype} shard")
         ins.call(aten.copy_.default, (sink, total), engine=ps.name, why="write the shard the optimizer reads in step()")
+        ctx.accumulated[(ps, g)] = total
         ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
     values = list(out.args[0])
     for grad in ctx.grads:

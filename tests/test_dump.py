@@ -65,10 +65,10 @@ def test_dump_summary_matches_models_and_cli_renders_it(ranks):
         assert e["comm_bytes_by_dtype"] == {"float32": e["comm_bytes_per_step"]}
     passes = [p["name"] for p in graph["passes"]]
     assert passes == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter", "fp32_accumulate",
-                      "schedule_overlap"]
+                      "fold_norm", "schedule_overlap"]
     inserted = {n["engine"] for p in graph["passes"] for n in p["inserted"]}
     assert inserted == {"generator", "critic"}
-    code = (root / graph["id"] / "backward" / "006_schedule_overlap.py").read_text()
+    code = (root / graph["id"] / "backward" / "007_schedule_overlap.py").read_text()
     assert code.count("reduce_scatter_tensor") >= 2 and "graphzero_sink_critic_0" in code
 
     table = cli(str(root))

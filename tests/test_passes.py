@@ -45,7 +45,7 @@ def targets(gm: fx.GraphModule, op) -> list[fx.Node]:
 
 def test_pipeline_order_is_declared_once():
     assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter",
-                                              "fp32_accumulate", "schedule_overlap"]
+                                              "fp32_accumulate", "fold_norm", "schedule_overlap"]
 
 
 def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pathlib
 import tempfile
 from typing import Self
@@ -50,18 +51,27 @@ STEPS = 3
 class Collectives:
     """Gradient collectives (all-reduce / reduce-scatter) that ran inside the block, counted from
     the profiler's gloo events: what the compiled graphs (or DeepSpeed) really launched, whatever
-    op called them. The one-int64 plan exchange of rank_agreement is an all-gather, not counted."""
+    op called them. The one-int64 plan exchange of rank_agreement is an all-gather, not counted;
+    the folded norm's all-reduce after a boundary backward (norm_fold.py: one fp32 per param group,
+    a few elements) is counted apart, in ``norms``."""
 
     def __enter__(self) -> Self:
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
         self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
         self.names = sorted({e.name for e in self._prof.events() if e.name.startswith("gloo:")})
-        self.count = sum(1 for e in self._prof.events() if e.name.startswith("gloo:")
-                         and ("all_reduce" in e.name or "reduce_scatter" in e.name))
+        reductions = [e for e in self._prof.events() if e.name.startswith("gloo:")
+                      and ("all_reduce" in e.name or "reduce_scatter" in e.name)]
+        self.norms = sum(1 for e in reductions if _numel(e) <= 4)
+        self.count = len(reductions) - self.norms
+
+
+def _numel(event) -> int:
+    shapes = [s for s in (event.input_shapes or []) if s]
+    return sum(math.prod(s) for s in shapes) if shapes else 1 << 30
 
 
 def _dump_dir(rank: int) -> str:

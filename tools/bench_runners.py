@@ -12,14 +12,15 @@ from .bench_runners_deepspeed import (
     GraphZeroDeepSpeedStepRunner,
     GraphZeroDeferredRunner,
     GraphZeroEagerRunner,
+    GraphZeroReduceScatterRunner,
     GraphZeroRunner,
 )
 from .bench_runners_torch import DDPRunner, FSDP2Runner, TorchCompileFusedRunner
 
 __all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedPlainBackward",
-           "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner", "GraphZeroEagerRunner", "GraphZeroRunner", "Hyper", "RunContext", "Runner",
+           "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner", "GraphZeroEagerRunner", "GraphZeroReduceScatterRunner", "GraphZeroRunner", "Hyper", "RunContext", "Runner",
            "RunnerSkipped", "TorchCompileFusedRunner"]
 
 RUNNERS: dict[str, type[Runner]] = {cls.name: cls for cls in (
-    GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroEagerRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward,
+    GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroReduceScatterRunner, GraphZeroEagerRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward,
     DDPRunner, FSDP2Runner, TorchCompileFusedRunner, DeepCompileRunner)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -118,7 +119,7 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
     compiled = True
     inner: ClassVar[str] = "inductor"
     # graphzero's optimizer-step options (README): the defaults unless a variant below sets them
-    step_options: ClassVar[dict[str, bool]] = {}
+    step_options: ClassVar[dict[str, Any]] = {}
 
     def setup(self) -> None:
         import graphzero  # noqa: F401  (importing registers the backend)
@@ -132,7 +133,12 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
 
         options: dict[str, Any] = {"engines": dict(self.engines), "inner": self.inner, **self.step_options}
         self._dump_dir = None
-        if self.ctx.stage == 3:
+        # GRAPHZERO_COMPARE_DUMP_DIR: keep each runner's dump there (wire_bytes.py reads its summary)
+        self._keep_dump = os.environ.get("GRAPHZERO_COMPARE_DUMP_DIR")
+        if self._keep_dump:
+            self._dump_dir = os.path.join(self._keep_dump, self.name)
+            options["dump_dir"] = self._dump_dir
+        elif self.ctx.stage == 3:
             self._dump_dir = tempfile.mkdtemp(prefix=f"graphzero-compare-{self.name}-")
             options["dump_dir"] = self._dump_dir
         self._compiled = torch.compile(step, backend="graphzero", options=options)
@@ -180,7 +186,7 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "_dump_dir", None):
+        if getattr(self, "_dump_dir", None) and not self._keep_dump:
             shutil.rmtree(self._dump_dir, ignore_errors=True)
             self._dump_dir = None
 
@@ -196,6 +202,14 @@ class GraphZeroDeferredRunner(GraphZeroRunner):
 
     name = "graphzero-deferred"
     step_options: ClassVar[dict[str, bool]] = {"defer_param_gather": True}
+
+
+class GraphZeroReduceScatterRunner(GraphZeroRunner):
+    """graphzero-inductor with ``collective="reduce_scatter"`` (the NCCL choice; on gloo "auto" picks
+    all-reduce + slice, which measured cheaper there): the bytes-on-the-wire floor."""
+
+    name = "graphzero-rs"
+    step_options: ClassVar[dict[str, Any]] = {"collective": "reduce_scatter"}
 
 
 class GraphZeroDeepSpeedStepRunner(GraphZeroRunner):

@@ -172,6 +172,8 @@ class DeepSpeedBinding:
     def _backward_sinks(self) -> list[torch.Tensor]:
         """sinks() for a backward that writes them: the engine now has a gradient to step on."""
         self.received_gradient = True
+        if self.param_set.norm is not None:
+            self.param_set.norm.wrote()   # a norm folded before this write is stale (norm_fold.py)
         return self.sinks()
 
     def runtime_scale(self) -> float:
@@ -292,6 +294,8 @@ class DeepSpeedBinding:
         """``zero_grad``: drop the accumulated shards and the window's local sums, as DeepSpeed
         eager drops ``.grad``."""
         self.drop_sinks()
+        if self.param_set.norm is not None:
+            self.param_set.norm.forget()
         if self.param_set.local is not None:
             self.param_set.local.clear()
         self.received_gradient = False

@@ -5,9 +5,10 @@ a separate overflow all-reduce, one norm all-reduce per param group, per-tensor 
 timers, and ``torch.optim.AdamW``'s for-loop path, which on CPU makes about ten passes over the
 fp32 partition. This step does the same arithmetic on each param group's flat fp32 partition:
 
-1. one all-reduce of every group's squared gradient norm (DeepSpeed's formula: each parameter's
-   piece of the partition normed in fp64, padding excluded, summed; inf/NaN masked to -1; groups
-   combined with an L2 norm). An invalid norm is an overflow, as in DeepSpeed's step, which is
+1. every group's squared gradient norm (DeepSpeed's formula: each parameter's piece of the
+   partition normed in fp64, padding excluded, summed; inf/NaN masked to -1; groups combined with
+   an L2 norm): computed in the compiled backward and all-reduced asynchronously right after it
+   (norm_fold.py), or, where that is not the norm of the current shards, one blocking all-reduce here. An invalid norm is an overflow, as in DeepSpeed's step, which is
    why the separate overflow all-reduce can go: a non-finite gradient always makes the norm
    invalid, and for fp32/bf16 (no dynamic loss scale) nothing else reads the flag;
 2. the clip, with DeepSpeed's coefficient ``max(1, (norm + 1e-6) / clip)``, in place;
@@ -168,9 +169,11 @@ def unsupported_reason(engine) -> str | None:
 class LeanStep:
     """Stands in for ``optimizer.step`` of one ``DeepSpeedZeroOptimizer`` (instance attribute)."""
 
-    def __init__(self, optimizer, name: str, deferred=None) -> None:
+    def __init__(self, optimizer, name: str, deferred=None, folded=None) -> None:
         self.opt = optimizer
         self.name = name
+        # a norm_fold.FoldedNorm: the squares the compiled backward computed and already all-reduced
+        self.folded = folded
         # a ParamSync: leave the all-gather in flight, wait through it; None: wait here
         self.deferred = deferred
         self.torch_adam = type(optimizer.optimizer) in _TORCH_ADAMS
@@ -218,7 +221,18 @@ class LeanStep:
 
     # -- the pieces -----------------------------------------------------------------------------
     def _global_norm(self, groups) -> torch.Tensor:
-        """DeepSpeed's ``scaled_global_norm`` with one all-reduce for all groups."""
+        """DeepSpeed's ``scaled_global_norm`` with one all-reduce for all groups, or none where the
+        compiled backward folded the squares in (norm_fold.py)."""
+        total = self.folded.take() if self.folded is not None else None
+        if total is None:
+            total = self._blocking_squares(groups)
+        total = total.pow(0.5)
+        total.masked_fill_(total.isnan() | total.isinf(), -1.0)
+        invalid = (~torch.isfinite(total) | (total < 0)).any()
+        combined = torch.linalg.vector_norm(total, ord=2)
+        return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+
+    def _blocking_squares(self, groups) -> torch.Tensor:
         opt = self.opt
         squares = []
         for group in groups:
@@ -230,11 +244,7 @@ class LeanStep:
                 squares.append(torch.zeros((), dtype=torch.float32, device=group.flat_partition.device))
         total = torch.stack(squares)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
-        total = total.pow(0.5)
-        total.masked_fill_(total.isnan() | total.isinf(), -1.0)
-        invalid = (~torch.isfinite(total) | (total < 0)).any()
-        combined = torch.linalg.vector_norm(total, ord=2)
-        return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+        return total
 
     def _inverse_clip_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
         """``unscale_and_clip_grads``'s factor, computed with the same operations."""

@@ -1,0 +1,89 @@
+"""The gradient norm folded into the compiled backward (ZeRO-1/2 with graphzero's lean step).
+
+DeepSpeed's ``step()`` (and the lean step before this) starts with a blocking all-reduce of every
+param group's squared gradient norm. graphzero already computes the final gradient shard in the
+compiled backward (``fp32_accumulate``: sink + this backward's reduced chunk), so the squares can
+be taken there, in the same fused pass over the shard (the ``fold_norm`` pass, DeepSpeed's formula:
+each parameter's piece of this rank's partition normed in fp64, padding excluded, squared, summed,
+cast to fp32). Right after the compiled backward returns, the runtime issues one asynchronous
+all-reduce of those few scalars (one per param group) and the lean step waits for it: by then it
+has long finished, so ``step()`` no longer blocks on a collective of its own.
+
+The norm must be the norm of the *final* gradient at the optimizer boundary. The squares read the
+whole shard after this backward's write, so they include every earlier contribution (earlier
+micro-steps, other graphs, the eager safety net). They are stale as soon as anything writes the
+shard again. So every writer bumps ``writes`` (the adapter's ``_backward_sinks``: compiled
+backwards, the eager safety net, ZeRO-1's boundary flush), a folded norm records the count it was
+computed at, and the lean step uses it only if nothing wrote since; otherwise (a safety-net
+gradient after the last compiled backward, a graph that does not reach every param group, a
+ZeRO-1 window flushed in ``step()``) it falls back to the blocking all-reduce of DeepSpeed's
+formula. The decision is the same on every rank: the writes are the same collective-issuing code
+paths on every rank (the rank-agreement exchange checks them).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class FoldedNorm:
+    """Per engine: the write counter of its gradient shards and the norm in flight, if any."""
+
+    def __init__(self, num_groups: int, process_group: object, at_boundary: Callable[[], bool]) -> None:
+        self.num_groups = num_groups
+        self.process_group = process_group
+        self.at_boundary = at_boundary
+        self.writes = 0
+        # (writes when computed, squares per group (fp32, summed over ranks once work is done), work)
+        self._pending: tuple[int, torch.Tensor, object] | None = None
+        # counters for tests and the benchmark: norms taken from the backward / computed in step()
+        self.folded = 0
+        self.blocking = 0
+
+    def wrote(self) -> None:
+        """A gradient shard of this engine was (or is about to be) written."""
+        self.writes += 1
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """What the compiled backward writes its squares into (one fp32 scalar per param group)."""
+        return torch.zeros(self.num_groups, dtype=torch.float32, device=device)
+
+    def issue(self, writes: int, squares: torch.Tensor) -> None:
+        """After a compiled backward that wrote every group's shard at write count ``writes`` and
+        their squares into ``squares``: start summing them over the ranks (only at the accumulation
+        boundary: a later micro-step would make them stale anyway)."""
+        self._drain()
+        if writes != self.writes or not self.at_boundary():
+            return
+        work = None
+        if dist.get_world_size(self.process_group) > 1:
+            work = dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        self._pending = (writes, squares, work)
+
+    def take(self) -> torch.Tensor | None:
+        """In ``step()``: the squares summed over ranks, if they are of the current shards; else None
+        (the caller computes the norm the blocking way)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            self.blocking += 1
+            return None
+        writes, squares, work = pending
+        if work is not None:
+            work.wait()
+        if writes != self.writes:
+            self.blocking += 1
+            return None
+        self.folded += 1
+        return squares
+
+    def forget(self) -> None:
+        """zero_grad / detach: the shards are gone, and so is their norm."""
+        self._drain()
+
+    def _drain(self) -> None:
+        # a superseded norm's all-reduce is still waited for: every rank issued it, none abandons it
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[2] is not None:
+            pending[2].wait()

@@ -1,0 +1,79 @@
+"""fold_norm: the squared gradient norm of each param group's final shard, in the backward.
+
+For an engine whose optimizer step reads a folded norm (``ParamSet.norm``, ZeRO-1/2 with the lean
+step) and whose every param group this backward accumulates into, it appends one placeholder (a
+``(num_groups,)`` fp32 buffer the runtime supplies, kind ``"norm"``) and inserts, for each group:
+
+  for every parameter's piece of this rank's shard (padding excluded): slice of the accumulated
+  shard -> fp64 -> sum of squares;  summed over the pieces -> fp32
+
+which is DeepSpeed's ``get_grad_norm_direct`` formula (each piece's fp64 2-norm squared, summed,
+cast to fp32; the square of a norm is taken as the sum of squares it is the root of, within an
+fp64 rounding), then copies the squares into the buffer. The sum over ranks happens after the
+backward (norm_fold.py). An engine with a group this graph does not write gets nothing: its
+shards' norm is not known here, and step() computes it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ._graph import Inserter, PassContext, append_placeholder, output_node
+
+PASS = "fold_norm"
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _pieces(group, world: int, rank: int) -> list[tuple[int, int]]:
+    """Shard-relative ranges of each parameter's piece in this rank's shard, in group order."""
+    shard = group.shard_numel(world)
+    lo = rank * shard if group.sharded else 0
+    out = []
+    for offset, p in zip(group.offsets, group.params):
+        a, z = max(offset, lo), min(offset + p.numel(), lo + shard)
+        if a < z:
+            out.append((a - lo, z - lo))
+    return out
+
+
+def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for ps in ctx.ownership.param_sets:
+        if ps.norm is None or ps.stage == 3 or ctx.local.get(ps) == "accumulate":
+            continue
+        totals = [ctx.accumulated.get((ps, g)) for g in range(len(ps.groups))]
+        if any(t is None for t in totals) or any(not g.sharded for g in ps.groups):
+            continue
+        device = totals[0].meta["val"].device
+        with ctx.fake_mode:
+            val = torch.empty((len(ps.groups),), dtype=torch.float32, device=device)
+        buf = append_placeholder(gm, ctx, PASS, f"graphzero_norm_{ps.name}", val, "norm", ps, None,
+                                 f"squared gradient norm of each of {len(ps.groups)} param group shard(s)")
+        ins = Inserter(gm, ctx, PASS, after=output_node(gm).prev)
+        squares = []
+        for g, total in enumerate(totals):
+            norms = []
+            for a, z in _pieces(ps.groups[g], ps.world_size, ps.rank):
+                piece = ins.call(aten.slice.Tensor, (total, 0, a, z), engine=ps.name, why=f"group {g} piece")
+                piece = ins.call(prims.convert_element_type.default, (piece, torch.float64), engine=ps.name,
+                                 why="DeepSpeed norms each piece in fp64")
+                sq = ins.call(aten.mul.Tensor, (piece, piece), engine=ps.name, why="squares")
+                # the square of the piece's fp64 2-norm (inductor lowers the norm itself to this sum)
+                norms.append(ins.call(aten.sum.default, (sq,), engine=ps.name,
+                                      why=f"squared 2-norm of a parameter's piece of group {g}"))
+            if not norms:
+                squares.append(ins.zeros(1, torch.float32, device, engine=ps.name, why=f"group {g}: no piece"))
+                continue
+            total_sq = norms[0]
+            for n in norms[1:]:
+                total_sq = ins.call(aten.add.Tensor, (total_sq, n), engine=ps.name, why=f"group {g} sum")
+            total_sq = ins.call(prims.convert_element_type.default, (total_sq, torch.float32),
+                                engine=ps.name, why="DeepSpeed reduces the squares in fp32")
+            squares.append(ins.call(aten.reshape.default, (total_sq, [1]), engine=ps.name, why=f"group {g}"))
+        cat = squares[0] if len(squares) == 1 else ins.call(aten.cat.default, (squares,), engine=ps.name,
+                                                            why="one scalar per param group")
+        ins.call(aten.copy_.default, (buf, cat), engine=ps.name, why="the squares the lean step reads")
+        ctx.count(ps, "fold_norm", len(ps.groups))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,82 @@
+"""ZeRO-3: an engine called twice in one step reduce-scatters each parameter's summed gradient once.
+
+The GAN's discriminator (ZeRO-3) is called twice in the loss, so each of its parameters is gathered
+twice and its gradient arrives from two gathers' backwards. graphzero sums the two full gradients
+and reduce-scatters once (bucket_shard_grads). Counted from the traced graph (the dump summary's
+``comm_bytes_per_step``, the input bytes of the graph's reduce-scatters), the bytes per step equal
+what DeepSpeed eager ZeRO-3 reduces for the same engines in one step (its collectives counted with
+torch.profiler, as graphzero-compare counts them): each parameter's gradient once, padded to a
+multiple of the world size. Gradients against the single-process reference are checked for this
+shape by test_zero3.py (test_gan_both_zero3), which runs the same graph.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_zero3 import gan_loss, z3_config
+
+from graphzero_tools.bench_metrics import summarize_collectives
+from scenario_utils import data, engine, mlp, rank_world
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_ranks_after(ranks):
+    # ZeRO-3 initialisation patches torch.nn.functional.linear process-wide.
+    yield
+    ranks.close()
+
+
+def _engines():
+    torch.manual_seed(0)
+    return {"gen": engine(mlp(8, 16, 8), z3_config(3)), "disc": engine(mlp(8, 16, 1), z3_config(3))}
+
+
+def _padded_bytes(module: torch.nn.Module, world: int) -> int:
+    return sum(-(-p.ds_numel // world) * world * 4 for p in module.parameters())
+
+
+def once_per_step_scenario(path: str) -> dict:
+    rank, world = rank_world()
+    # DeepSpeed eager: one step, its collectives counted from the profiler's gloo events
+    eager = _engines()
+    z, real = data(0, rank, (4, 8), (4, 8))
+    eager["disc"].backward(gan_loss(eager, z, real))   # warm-up step (first-step allocations)
+    for e in eager.values():
+        e.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        eager["disc"].backward(gan_loss(eager, z, real))
+    deepspeed_reduced = summarize_collectives(prof.events(), world)["bytes_reduced"]
+
+    gz = _engines()
+    step = torch.compile(gan_loss, backend="graphzero", options={"engines": gz, "dump_dir": path})
+    for t in range(2):
+        z, real = data(t, rank, (4, 8), (4, 8))
+        step(gz, z, real).backward()
+        for e in gz.values():
+            e.step()
+    out = {"deepspeed_reduced": deepspeed_reduced,
+           "padded": {name: _padded_bytes(e.module, world) for name, e in gz.items()}}
+    if rank == 0:
+        summary = json.loads((Path(path) / "summary.json").read_text())
+        out["graphs"] = [{name: (e["reduce_scatter"], e["comm_bytes_per_step"]) for name, e in g["engines"].items()}
+                         for g in summary["graphs"]]
+    dist.barrier()
+    return out
+
+
+def test_engine_called_twice_reduces_once_per_step(ranks, tmp_path):
+    res = ranks.run(once_per_step_scenario, str(tmp_path))[0]
+    graphs, padded = res["graphs"], res["padded"]
+    assert graphs, res
+    for g in graphs:
+        for name, (collectives, nbytes) in g.items():
+            # every parameter's gradient reduced exactly once: the padded bytes, not twice the disc's
+            assert nbytes == padded[name], (name, nbytes, padded)
+            assert collectives >= 1, g
+    # DeepSpeed eager reduces the same bytes (plus its 4-byte-scale norm/overflow reductions)
+    ours = sum(padded.values())
+    assert ours <= res["deepspeed_reduced"] <= ours + 64, (ours, res["deepspeed_reduced"])
