@@ -152,6 +152,16 @@ def full_grads(eng) -> list[torch.Tensor]:
     return [safe_get_full_grad(p).float().clone() for p in eng.module.parameters() if p.requires_grad]
 
 
+def full_params(eng) -> list[torch.Tensor]:
+    """Every parameter at full shape (collective for ZeRO-3: DeepSpeed's GatheredParameters)."""
+    import deepspeed
+    params = list(eng.module.parameters())
+    if eng.zero_optimization_stage() != 3:
+        return [p.detach().float().clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
 def assert_params_close(eng, ref_model: nn.Module, *, rtol: float, atol: float, what: str) -> None:
     for (name, p), q in zip(eng.module.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.detach().float(), q.detach().float(), rtol=rtol, atol=atol,

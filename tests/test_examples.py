@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 
 from test_accelerate import fresh_accelerate
 
-from scenario_utils import assert_rel_l2_close, full_grads, rank_world
+from scenario_utils import assert_rel_l2_close, full_grads, full_params, rank_world
 
 LR_BOUND = 1e-3 * 3  # the examples' learning rate x steps: how far Adam can move any parameter
 FULL = os.environ.get("GRAPHZERO_MATRIX") == "full"
@@ -38,16 +38,6 @@ def fresh_ranks_after(ranks):
     # ZeRO-3 initialisation patches torch.nn.functional.linear process-wide (test_zero3.py).
     yield
     ranks.close()
-
-
-def full_params(eng) -> list[torch.Tensor]:
-    import deepspeed
-
-    params = list(eng.module.parameters())
-    if eng.zero_optimization_stage() != 3:
-        return [p.detach().float().clone() for p in params]
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().float().clone() for p in params]
 
 
 def assert_grads_match(actual, expected, *, tol: float, what: str) -> None:

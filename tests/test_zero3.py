@@ -20,6 +20,7 @@ from scenario_utils import (
     ds_config,
     engine,
     full_grads,
+    full_params,
     mlp,
     rank_world,
 )
@@ -75,16 +76,6 @@ class Zero3Counter:
     @property
     def total(self) -> int:
         return sum(self.calls.values())
-
-
-def full_params(eng) -> list[torch.Tensor]:
-    """Every parameter at full shape (collective for ZeRO-3: DeepSpeed's GatheredParameters)."""
-    import deepspeed
-    params = list(eng.module.parameters())
-    if eng.zero_optimization_stage() != 3:
-        return [p.detach().float().clone() for p in params]
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().float().clone() for p in params]
 
 
 def assert_params_match(eng, ref_model, *, what: str, rtol: float = 1e-4, atol: float = 1e-5) -> None:
