@@ -5,9 +5,14 @@ optimizer's fp32 gradient partition, or BF16_Optimizer's fp32 gradient buffer), 
 for the averaging factor (normally 1/(world*gas)); the runtime passes the real tensors on every
 call. Before the output it inserts:
 
-  cat(reduced chunks in shard order, zeros where no bucket landed; ZeRO-3: each parameter's
-  reduce-scattered shard gradient in group order) -> convert to the accumulation
+  cat(reduced chunks in shard order, zeros where no bucket landed) -> convert to the accumulation
   dtype -> multiply by the factor -> add to the sink -> ``aten.copy_`` into the sink.
+
+ZeRO-3 groups (presharded) are accumulated per parameter as each reduced shard arrives, right after
+its bucket's wait: slice of the sink at the parameter's offset -> add (cast, scaled) -> ``copy_``
+into that slice. So no reduced shard outlives its bucket (DeepSpeed adds each reduced bucket into
+the partition as it completes), and the backward holds one sink, not a second model/world of
+reduced shards until the output.
 
 Inductor fuses the cast, scale and add into one pass over the shard. A ZeRO-1 engine flushing its
 local accumulation (local_accumulate) is not scaled again here. Finally the owned
@@ -41,24 +46,30 @@ def _bucket_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, shard:
     return pieces
 
 
-def _presharded_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, device: torch.device) -> list[fx.Node]:
-    """ZeRO-3: each parameter's reduce-scattered shard gradient in group order, zeros for parameters
-    without a gradient in this graph."""
+def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, sink: fx.Node,
+                           scale: fx.Node | None) -> None:
+    """ZeRO-3: add each parameter's reduce-scattered shard gradient into its slice of the sink, right
+    where it becomes available; parameters without a gradient in this graph are left as they are."""
     group = ps.groups[g]
-    by_position = {grad.owned.position: grad for grad in ctx.grads_of(ps, g)}
-    pieces = []
-    for k in range(len(group.params)):
-        grad = by_position.get(k)
-        if grad is None:
-            pieces.append(ins.zeros(group.shard_numel_of(k), ps.comm_dtype, device, engine=ps.name,
-                                    why=f"no gradient of {group.names[k]} in this graph"))
-            continue
+    for grad in ctx.grads_of(ps, g):
+        k = grad.owned.position
+        ins = Inserter(gm, ctx, PASS, after=grad.node)
         x = grad.node
         if x.meta["val"].dtype != ps.comm_dtype:
             x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.comm_dtype), engine=ps.name,
                          why=f"cast shard grad of {grad.owned.qualname} to {ps.comm_dtype}")
-        pieces.append(x)
-    return pieces
+        if ps.comm_dtype != ps.accum_dtype:
+            x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.accum_dtype), engine=ps.name,
+                         why=f"upcast reduced shard to {ps.accum_dtype}")
+        if scale is not None:
+            x = ins.call(aten.mul.Tensor, (x, scale), engine=ps.name,
+                         why=f"average: 1/(world {ps.world_size} x gas)")
+        lo = group.offsets[k]
+        view = ins.call(aten.slice.Tensor, (sink, 0, lo, lo + group.shard_numel_of(k)), engine=ps.name,
+                        why=f"{group.names[k]}'s piece of the {ps.accum_dtype} partition")
+        total = ins.call(aten.add.Tensor, (view, x), engine=ps.name, why="accumulate as the bucket completes")
+        ins.call(aten.copy_.default, (view, total), engine=ps.name,
+                 why="write it now: the reduced shard dies with its bucket")
 
 
 def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -102,9 +113,10 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         if group.presharded:
-            pieces = _presharded_pieces(ins, ctx, ps, g, device)
-        else:
-            pieces = _bucket_pieces(ins, ctx, ps, g, shard, device)
+            _accumulate_presharded(gm, ctx, ps, g, sink, None if prescaled else scales[ps])
+            ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
+            continue
+        pieces = _bucket_pieces(ins, ctx, ps, g, shard, device)
         why = f"group {g}: shard of {len(ctx.grads_of(ps, g))} gradients"
         delta = pieces[0] if len(pieces) == 1 else ins.call(aten.cat.default, (pieces,), engine=ps.name, why=why)
         if ps.comm_dtype != ps.accum_dtype:
