@@ -89,6 +89,10 @@ class ParamSet:
     frozen_shards: Callable[[], dict[int, tuple[str, bool]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
+    # ZeRO-3: how far ahead (elements) DeepSpeed keeps a parameter gathered for its next use: a
+    # parameter whose backward use comes within it stays gathered from the forward (release.py);
+    # 0: every parameter is gathered again in backward
+    reuse_distance: int = 0
     # ZeRO-1 (local_accumulation.py): the window's local gradient sum; None for engines that reduce
     # every micro-step. defers_reduction() (read at compile time: gas > 1) says whether graphs
     # compiled now keep non-boundary micro-steps local; at_boundary() (read per backward) whether

@@ -36,7 +36,8 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   fold_norm (the squared norm of each accumulated shard, for the lean step); schedule_overlap moves waits.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
                               fold_norm, schedule_overlap)
-# release tags the ZeRO-3 gathers for recomputation: the partitioner then saves shards, not parameters.
+# release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
+# saves their shards, not the parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # wait_params: ZeRO-1/2 parameters wait for a deferred all-gather before their first read;
 # schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph);

@@ -6,10 +6,19 @@ shard; or a frozen ZeRO-3 shard of the same engine, ``Ownership.frozen``: a LoRA
 gather, its ``wait_tensor`` and every view derived from the gathered tensor
 with ``meta["recompute"] = MUST_RECOMPUTE``: the min-cut partitioner then saves the (small) shard
 instead of the full parameter and recomputes the gather in the backward graph (collectives are
-otherwise always saved). Parameters the engine keeps gathered (``FlatGroup.persistent``: below
-``stage3_param_persistence_threshold``) are not tagged for recomputation: their gathered value is
-saved, and backward does not gather them again. Each tagged node also gets ``meta["graphzero"]``, which the partitioner
-copies into both graphs, so later passes find the gathers on either side. Inserts nothing.
+otherwise always saved). Parameters the engine keeps gathered are not tagged for recomputation:
+their gathered value is saved, and backward does not gather them again. DeepSpeed keeps a parameter
+gathered when it is persistent (``FlatGroup.persistent``: below ``stage3_param_persistence_threshold``)
+or when its next use comes within the elements DeepSpeed looks ahead over
+(``ParamSet.reuse_distance``: the larger of ``stage3_max_reuse_distance``, which
+partitioned_param_coordinator's ``__params_to_release`` scans, and ``stage3_prefetch_bucket_size``,
+whose prefetch marks the parameters it passes as needed again). Between a parameter's forward use
+and its backward use the engine fetches every parameter it gathers after it, twice (forward, then
+backward in reverse), so it is kept when twice the elements gathered after it in the forward are
+below that distance: with DeepSpeed's defaults (1e9, 5e7) a whole engine of under 500M parameters
+stays gathered, as under DeepSpeed eager; with both small (0 and 1, say) backward gathers the
+parameters again (at most two gather buckets live). Each tagged node also gets ``meta["graphzero"]``, which the
+partitioner copies into both graphs, so later passes find the gathers on either side. Inserts nothing.
 """
 from __future__ import annotations
 
@@ -44,12 +53,24 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+def _kept_within_reuse_distance(gathers: list[tuple[fx.Node, tuple]]) -> set[fx.Node]:
+    """The gathers (in forward order) whose parameter DeepSpeed would keep for its backward use:
+    twice the elements its engine gathers after it are below the engine's reuse distance."""
+    kept, after = set(), {}
+    for node, (ps, *_rest) in reversed(gathers):
+        if 2 * after.get(ps, 0) < ps.reuse_distance:
+            kept.add(node)
+        after[ps] = after.get(ps, 0) + node.meta["val"].numel()
+    return kept
+
+
 def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     shards = _gathered_shards(ctx, gm)
-    for node in list(gm.graph.nodes):
-        if node.target is not c10d.all_gather_into_tensor.default or node.args[0] not in shards:
-            continue
-        ps, qualname, persistent, owned = shards[node.args[0]]
+    gathers = [(n, shards[n.args[0]]) for n in gm.graph.nodes
+               if n.target is c10d.all_gather_into_tensor.default and n.args[0] in shards]
+    kept = _kept_within_reuse_distance(gathers)
+    for node, (ps, qualname, persistent, owned) in gathers:
+        persistent = persistent or node in kept
         chain, frontier = [node], list(node.users)
         while frontier:
             user = frontier.pop()
@@ -58,11 +79,13 @@ def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if user.target is c10d.wait_tensor.default or _is_view(user):
                 chain.append(user)
                 frontier.extend(user.users)
-        # A persistent (small) parameter is saved for backward, as DeepSpeed keeps it gathered.
+        # A parameter DeepSpeed keeps gathered is saved for backward.
+        why = "kept for backward (persistent, or used again within DeepSpeed's look-ahead)" if persistent \
+            else "recomputed in backward, not saved"
         for n in chain:
             if not persistent:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "param": qualname,
-                                   "why": f"gather of {qualname}: recomputed in backward, not saved"}
+                                   "why": f"gather of {qualname}: {why}"}
         ctx.count(ps, "gathered_params" if owned else "gathered_frozen_params")
     return gm

@@ -248,13 +248,17 @@ def test_checkpoint_save_load_continue(ranks, tmp_path):
 
 def gather_release_scenario(path: str) -> dict:
     """A 6-layer MLP at ZeRO-3 with one parameter per bucket (``bucket_size=1``): every parameter is
-    gathered once in forward, only the weights whose input gradient backward needs are gathered
-    again there (nothing full-size is saved for backward), and the gathered bytes alive at once stay
+    gathered once in forward; with DeepSpeed's look-ahead set to nothing, only the weights whose input
+    gradient backward needs are gathered again there (nothing full-size is saved for backward but the
+    last parameter used, DeepSpeed's next use), and the gathered bytes alive at once stay
     well below the whole model. Bucketing itself: test_zero3_buckets.py."""
     from scenario_utils import compiled_graph_count
     rank, _ = rank_world()
     torch.manual_seed(0)
-    eng = engine(mlp(32, 64, 32, depth=6), z3_config(3))
+    cfg = z3_config(3)
+    # no look-ahead: DeepSpeed would release every parameter but the last used after its forward use
+    cfg["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=1)
+    eng = engine(mlp(32, 64, 32, depth=6), cfg)
     graphzero.attach(net=eng)
     loss = torch.compile(lambda m, x: m["net"](x).square().mean(), backend="graphzero",
                          options={"engines": {"net": eng}, "dump_dir": path, "bucket_size": 1})

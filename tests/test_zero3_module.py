@@ -272,7 +272,8 @@ def test_peft_lora_actor_full_critic_one_loss(ranks, stage, tmp_path):
     actor = results[0]["summary"]["actor"]
     if stage == 3:
         # The frozen base (13x the adapters' bytes) is gathered in the graph with the adapters, in
-        # one bucket, and gathered again in backward rather than saved for it.
+        # one bucket, and kept for backward as DeepSpeed's default look-ahead keeps it (not gathered
+        # again: test_zero3_once_per_step.py has the config that re-gathers).
         adapter_bytes = 4 * actor["numel"]
         assert actor["all_gather_fwd"] == 1 and actor["all_gather_bytes_fwd"] > 10 * adapter_bytes, actor
-        assert actor["all_gather_bytes_bwd"] > 10 * adapter_bytes, actor
+        assert actor["all_gather_bytes_bwd"] == 0, actor

@@ -1,4 +1,5 @@
-"""ZeRO-3: an engine called twice in one step reduce-scatters each parameter's summed gradient once.
+"""ZeRO-3: an engine called twice in one step reduce-scatters each parameter's summed gradient once,
+and parameters are gathered again in backward only where DeepSpeed would gather them again.
 
 The GAN's discriminator (ZeRO-3) is called twice in the loss, so each of its parameters is gathered
 twice and its gradient arrives from two gathers' backwards. graphzero sums the two full gradients
@@ -80,3 +81,56 @@ def test_engine_called_twice_reduces_once_per_step(ranks, tmp_path):
     # DeepSpeed eager reduces the same bytes (plus its 4-byte-scale norm/overflow reductions)
     ours = sum(padded.values())
     assert ours <= res["deepspeed_reduced"] <= ours + 64, (ours, res["deepspeed_reduced"])
+
+
+def _chain_loss(models, x):
+    return models["net"](x).square().mean()
+
+
+def gathered_bytes_scenario(path: str, zero_options: dict) -> dict:
+    """Bytes gathered per step by one ZeRO-3 engine (a 4-layer MLP called once): DeepSpeed eager
+    (profiled, as graphzero-compare counts them) and graphzero's graph (dump summary, forward and
+    backward), under the same zero_optimization options."""
+    rank, world = rank_world()
+
+    def net():
+        torch.manual_seed(0)
+        cfg = z3_config(3)
+        cfg["zero_optimization"].update(zero_options)
+        return {"net": engine(mlp(8, 32, 8, depth=4), cfg)}
+
+    eager = net()
+    x, = data(0, rank, (4, 8))
+    for _ in range(2):   # the first step records DeepSpeed's module trace; the second is measured
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            eager["net"].backward(_chain_loss(eager, x))
+        eager["net"].step()
+    deepspeed_gathered = summarize_collectives(prof.events(), world)["bytes_gathered"]
+    gz = net()
+    step = torch.compile(_chain_loss, backend="graphzero", options={"engines": gz, "dump_dir": path})
+    step(gz, x).backward()
+    out = {"deepspeed_gathered": deepspeed_gathered, "padded": _padded_bytes(gz["net"].module, world)}
+    if rank == 0:
+        engines = json.loads((Path(path) / "summary.json").read_text())["graphs"][-1]["engines"]
+        out["fwd"] = engines["net"]["all_gather_bytes_fwd"]
+        out["bwd"] = engines["net"]["all_gather_bytes_bwd"]
+    dist.barrier()
+    return out
+
+
+def test_parameters_stay_gathered_within_deepspeeds_reuse_distance(ranks, tmp_path):
+    # DeepSpeed's defaults (stage3_max_reuse_distance 1e9 elements, stage3_prefetch_bucket_size 5e7)
+    # keep the parameters gathered from the forward to the backward: graphzero gathers each once per
+    # step, the bytes DeepSpeed gathers.
+    kept = ranks.run(gathered_bytes_scenario, str(tmp_path / "default"), {})[0]
+    assert kept["bwd"] == 0, kept
+    assert kept["fwd"] == kept["padded"] == kept["deepspeed_gathered"], kept
+    # With neither reaching past the next parameter DeepSpeed releases the parameters after their
+    # forward use and gathers them again for backward, and so does graphzero (the parameters the
+    # backward reads, but the last one used: not the first layer's weight, whose input needs no
+    # gradient).
+    tight = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}
+    regathered = ranks.run(gathered_bytes_scenario, str(tmp_path / "tight"), tight)[0]
+    assert regathered["fwd"] == kept["fwd"], (regathered, kept)
+    assert 0 < regathered["bwd"] < regathered["padded"], regathered
+    assert regathered["deepspeed_gathered"] > kept["deepspeed_gathered"], (regathered, kept)

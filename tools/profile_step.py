@@ -6,7 +6,7 @@
         torchrun --standalone --nproc-per-node 2 tools/profile_step.py compile --mode plain|attach|options
 
 Workload: the `mlp` of graphzero-compare (two engines of 6 x (Linear(512,512) + GELU), batch 64),
-ZeRO-2, fp32.
+fp32, ZeRO-2 (``--stage`` picks another).
 """
 from __future__ import annotations
 
@@ -46,10 +46,11 @@ def synced() -> float:
     return time.perf_counter()
 
 
-def graphzero_step(a_model, b_model, how: str, collective: str):
+def graphzero_step(a_model, b_model, how: str, collective: str, stage: int = 2):
     deepspeed = _deepspeed()
-    a = deepspeed.initialize(model=a_model, config=CONFIG)[0]
-    b = deepspeed.initialize(model=b_model, config=CONFIG)[0]
+    config = {**CONFIG, "zero_optimization": {"stage": stage}}
+    a = deepspeed.initialize(model=a_model, config=config)[0]
+    b = deepspeed.initialize(model=b_model, config=config)[0]
     options = {"collective": collective}
     if how == "attach":
         graphzero.attach(a=a, b=b)
@@ -63,7 +64,7 @@ def phases(args, x, y) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     A, B = mlp(), mlp()
-    step, engines = graphzero_step(copy.deepcopy(A), copy.deepcopy(B), "attach", args.collective)
+    step, engines = graphzero_step(copy.deepcopy(A), copy.deepcopy(B), "attach", args.collective, args.stage)
     da, db = DDP(A), DDP(B)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (da, db)]
     times: dict[str, list[tuple[float, float, float]]] = {"graphzero": [], "ddp": []}
@@ -86,7 +87,7 @@ def phases(args, x, y) -> None:
 
 def profile(args, x, y) -> None:
     from torch.profiler import ProfilerActivity, record_function
-    step, engines = graphzero_step(mlp(), mlp(), "attach", args.collective)
+    step, engines = graphzero_step(mlp(), mlp(), "attach", args.collective, args.stage)
     for _ in range(4):
         step(x, y).backward()
         for e in engines:
@@ -110,7 +111,7 @@ def compile_time(args, x, y) -> None:
         a, b = mlp(), mlp()
         step, engines = torch.compile(lambda x, y: (b(a(x)) - y).square().mean()), ()
     else:
-        step, engines = graphzero_step(mlp(), mlp(), args.mode, args.collective)
+        step, engines = graphzero_step(mlp(), mlp(), args.mode, args.collective, args.stage)
     times = []
     for _ in range(4):
         t0 = synced()
@@ -130,6 +131,7 @@ def main() -> None:
                         help="compile: plain inductor, graphzero after graphzero.attach(), or engines in options")
     parser.add_argument("--collective", default="auto", choices=["auto", "reduce_scatter", "all_reduce"])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage of both engines")
     args = parser.parse_args()
     torch.set_num_threads(1)
     _deepspeed().init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

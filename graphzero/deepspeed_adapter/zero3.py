@@ -98,6 +98,9 @@ class Zero3Binding(DeepSpeedBinding):
         ps.shard_inputs = self.shard_inputs
         ps.frozen_shards = self.frozen_shards
         ps.gather_bucket_numel = self._gather_bucket_numel()
+        # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
+        ps.reuse_distance = max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
+                                int(self.engine.zero_prefetch_bucket_size()))
         return ps
 
     def frozen_shards(self) -> dict[int, tuple[str, bool]]:
