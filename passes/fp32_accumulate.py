@@ -46,10 +46,26 @@ def _bucket_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, shard:
     return pieces
 
 
+def _add_into(ins: Inserter, ps: ParamSet, target: fx.Node, delta: fx.Node, scale: fx.Node | None,
+              what: str) -> fx.Node:
+    """Upcast ``delta`` to the accumulation dtype, scale it (unless already scaled), add it to
+    ``target`` (the sink or a slice of it) and ``copy_`` the sum back; returns the sum."""
+    if ps.comm_dtype != ps.accum_dtype:
+        delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype), engine=ps.name,
+                         why=f"upcast reduced shard to {ps.accum_dtype}")
+    if scale is not None:
+        delta = ins.call(aten.mul.Tensor, (delta, scale), engine=ps.name,
+                         why=f"average: 1/(world {ps.world_size} x gas)")
+    total = ins.call(aten.add.Tensor, (target, delta), engine=ps.name, why=f"accumulate into {what}")
+    ins.call(aten.copy_.default, (target, total), engine=ps.name, why=f"write {what}, which step() reads")
+    return total
+
+
 def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, sink: fx.Node,
                            scale: fx.Node | None) -> None:
     """ZeRO-3: add each parameter's reduce-scattered shard gradient into its slice of the sink, right
-    where it becomes available; parameters without a gradient in this graph are left as they are."""
+    where it becomes available (the reduced shard dies with its bucket); parameters without a
+    gradient in this graph are left as they are."""
     group = ps.groups[g]
     for grad in ctx.grads_of(ps, g):
         k = grad.owned.position
@@ -58,18 +74,10 @@ def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g
         if x.meta["val"].dtype != ps.comm_dtype:
             x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.comm_dtype), engine=ps.name,
                          why=f"cast shard grad of {grad.owned.qualname} to {ps.comm_dtype}")
-        if ps.comm_dtype != ps.accum_dtype:
-            x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.accum_dtype), engine=ps.name,
-                         why=f"upcast reduced shard to {ps.accum_dtype}")
-        if scale is not None:
-            x = ins.call(aten.mul.Tensor, (x, scale), engine=ps.name,
-                         why=f"average: 1/(world {ps.world_size} x gas)")
         lo = group.offsets[k]
         view = ins.call(aten.slice.Tensor, (sink, 0, lo, lo + group.shard_numel_of(k)), engine=ps.name,
                         why=f"{group.names[k]}'s piece of the {ps.accum_dtype} partition")
-        total = ins.call(aten.add.Tensor, (view, x), engine=ps.name, why="accumulate as the bucket completes")
-        ins.call(aten.copy_.default, (view, total), engine=ps.name,
-                 why="write it now: the reduced shard dies with its bucket")
+        _add_into(ins, ps, view, x, scale, f"{group.names[k]}'s piece of the partition")
 
 
 def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -112,22 +120,14 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ps not in scales and not prescaled:
             scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
+        scale = None if prescaled else scales[ps]
         if group.presharded:
-            _accumulate_presharded(gm, ctx, ps, g, sink, None if prescaled else scales[ps])
-            ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
-            continue
-        pieces = _bucket_pieces(ins, ctx, ps, g, shard, device)
-        why = f"group {g}: shard of {len(ctx.grads_of(ps, g))} gradients"
-        delta = pieces[0] if len(pieces) == 1 else ins.call(aten.cat.default, (pieces,), engine=ps.name, why=why)
-        if ps.comm_dtype != ps.accum_dtype:
-            delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype),
-                             engine=ps.name, why=f"upcast reduced shard to {ps.accum_dtype}")
-        if not prescaled:
-            delta = ins.call(aten.mul.Tensor, (delta, scales[ps]), engine=ps.name,
-                             why=f"average: 1/(world {ps.world_size} x gas)")
-        total = ins.call(aten.add.Tensor, (sink, delta), engine=ps.name, why=f"accumulate into the {ps.accum_dtype} shard")
-        ins.call(aten.copy_.default, (sink, total), engine=ps.name, why="write the shard the optimizer reads in step()")
-        ctx.accumulated[(ps, g)] = total
+            _accumulate_presharded(gm, ctx, ps, g, sink, scale)
+        else:
+            pieces = _bucket_pieces(ins, ctx, ps, g, shard, device)
+            why = f"group {g}: shard of {len(ctx.grads_of(ps, g))} gradients"
+            delta = pieces[0] if len(pieces) == 1 else ins.call(aten.cat.default, (pieces,), engine=ps.name, why=why)
+            ctx.accumulated[(ps, g)] = _add_into(ins, ps, sink, delta, scale, f"the {ps.accum_dtype} shard")
         ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
     values = list(out.args[0])
     for grad in ctx.grads:

@@ -70,7 +70,7 @@ def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                if n.target is c10d.all_gather_into_tensor.default and n.args[0] in shards]
     kept = _kept_within_reuse_distance(gathers)
     for node, (ps, qualname, persistent, owned) in gathers:
-        persistent = persistent or node in kept
+        keep = persistent or node in kept
         chain, frontier = [node], list(node.users)
         while frontier:
             user = frontier.pop()
@@ -80,10 +80,10 @@ def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 chain.append(user)
                 frontier.extend(user.users)
         # A parameter DeepSpeed keeps gathered is saved for backward.
-        why = "kept for backward (persistent, or used again within DeepSpeed's look-ahead)" if persistent \
+        why = "kept for backward (persistent, or used again within DeepSpeed's look-ahead)" if keep \
             else "recomputed in backward, not saved"
         for n in chain:
-            if not persistent:
+            if not keep:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "param": qualname,
                                    "why": f"gather of {qualname}: {why}"}
