@@ -74,6 +74,8 @@ class FakeCuda(TorchFunctionMode):
         self._marked: dict[int, weakref.ref] = {}
         self._roots = [t for t in roots if t.numel()]     # kept alive: their storages cannot be reused
         self._root_ptrs = {t.untyped_storage().data_ptr() for t in self._roots}
+        # ZeRO-3 parameters are empty (their shard is in ds_tensor) and live on the GPU: by identity
+        self._mark([t for t in roots if not t.numel()])
         self.calls: list[Call] = []
         self.host_syncs: list[tuple[str, str | None]] = []
         self.mixed: list[tuple[str, str | None]] = []

@@ -184,6 +184,51 @@ def test_persistent_parameter_next_to_partitioned(ranks):
     ranks.run(gan_scenario, 3, 3, threshold=16)
 
 
+def persistent_gather_scenario(steps: int = 3) -> dict:
+    """step() re-gathers the persistent parameters in one collective per engine (DeepSpeed issues
+    one per parameter), and the gathered values are the updated parameters."""
+    import torch.distributed as dist
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    models = {"gen": mlp(8, 16, 8, depth=3), "disc": mlp(8, 16, 1)}
+    ref = Reference(models)
+    engines = {name: engine(m, z3_config(3, threshold=16)) for name, m in models.items()}
+    graphzero.attach(**engines)
+    step = torch.compile(gan_loss, backend="graphzero", options={"engines": engines})
+    counted = {"calls": 0}
+    original = dist.all_gather_into_tensor
+
+    def counting(*args, **kwargs):
+        counted["calls"] += 1
+        return original(*args, **kwargs)
+
+    world = dist.get_world_size()
+    for t in range(steps):
+        step(engines, *data(t, rank, (4, 8), (4, 8))).backward()
+        ref.accumulate(gan_loss, [data(t, r, (4, 8), (4, 8)) for r in range(world)])
+        ref.step()
+        for name, eng in engines.items():
+            persistent = [p for p in eng.module.parameters() if p.ds_persist]
+            assert len(persistent) >= 2, [p.ds_numel for p in persistent]
+            counted["calls"] = 0
+            dist.all_gather_into_tensor = counting
+            try:
+                eng.step()
+            finally:
+                dist.all_gather_into_tensor = original
+            assert counted["calls"] == 1, f"step {t} {name}: {counted['calls']} all-gathers of persistent parameters"
+            # DeepSpeed's resident copies, read directly (no GatheredParameters): the updated values
+            for (n, p), q in zip(eng.module.named_parameters(), ref.models[name].parameters()):
+                if p.ds_persist:
+                    torch.testing.assert_close(p.detach(), q.detach(), **PARAM_TOL,
+                                               msg=lambda m, w=f"step {t} {name}.{n}": f"{w}: {m}")
+    return {}
+
+
+def test_persistent_parameters_gathered_in_one_collective_after_step(ranks):
+    ranks.run(persistent_gather_scenario)
+
+
 def test_two_param_groups_zero3(ranks):
     ranks.run(gan_scenario, 3, 3, param_groups=True)
 

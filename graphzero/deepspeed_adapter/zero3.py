@@ -34,9 +34,10 @@ from ..ownership import FlatGroup
 from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
 from .ledger import PatchLedger
+from .zero3_param_gather import coalesced_all_gather
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
-_PARAM_COLLECTIVES = ("all_gather", "all_gather_coalesced", "partition")
+_PARAM_COLLECTIVES = ("all_gather_coalesced", "partition")
 
 
 def _no_grad(fn):
@@ -179,6 +180,11 @@ class Zero3Binding(DeepSpeedBinding):
             for attr in _PARAM_COLLECTIVES:
                 ledger.set_attr(p, attr, _no_grad(getattr(p, attr)))
             ledger.post_accumulate_grad_hook(p.ds_tensor, self._accumulate_eager_shard)
+        # step()'s gather of the persistent parameters (and GatheredParameters') in one collective
+        # per group instead of one per parameter; it runs under no_grad like the wrappers above.
+        for p in module.parameters():
+            if hasattr(p, "ds_tensor"):
+                ledger.set_attr(p, "all_gather", coalesced_all_gather(p.all_gather, p))
         # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
 
