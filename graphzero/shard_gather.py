@@ -39,3 +39,22 @@ def gather_shard(shard: torch.Tensor, numel: int, shape: tuple[int, ...], world:
     """The full parameter (``shape``) from every rank's ``shard``; its gradient flows back to the
     shard as the rank-summed reduce-scatter."""
     return _GatherShard.apply(shard, numel, tuple(shape), world, group_name)
+
+
+@torch.library.custom_op("graphzero::split_gathered", mutates_args=())
+def split_gathered(gathered: torch.Tensor, world: int, shard_sizes: list[int]) -> list[torch.Tensor]:
+    """A gather bucket's rows (``world`` x the members' concatenated shards) split into each
+    member's gathered tensor (``world x shard`` elements, contiguous).
+
+    An opaque op rather than slices and reshapes: inductor fused the copies of independent buckets
+    (two engines' first buckets: same loop sizes) into one kernel, which made every compute of the
+    forward wait for every engine's gather (bucket_gathers)."""
+    grid = gathered.view(world, -1)
+    outs = [gathered.new_empty(world * s) for s in shard_sizes]
+    torch.split_with_sizes_copy(grid, shard_sizes, dim=1, out=[o.view(world, s) for o, s in zip(outs, shard_sizes)])
+    return outs
+
+
+@split_gathered.register_fake
+def _(gathered: torch.Tensor, world: int, shard_sizes: list[int]) -> list[torch.Tensor]:
+    return [gathered.new_empty(world * s) for s in shard_sizes]

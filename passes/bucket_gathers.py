@@ -8,17 +8,21 @@ capped at half its ``stage3_max_live_parameters``; graphzero's ``bucket_size`` o
 For every bucket of two or more parameters it inserts
 
   ``aten.cat`` of the members' shards -> ``_c10d_functional.all_gather_into_tensor`` ->
-  ``wait_tensor`` -> per member: the [world, shard] columns of that member, made contiguous
-  (``aten.slice`` + ``aten.reshape``), which replace the member's own gathered tensor
+  ``wait_tensor`` -> ``graphzero.split_gathered`` (per member: its [world, shard] columns, made
+  contiguous; an opaque op, so inductor cannot fuse two buckets' copies into one kernel), whose
+  outputs replace the members' own gathered tensors
 
 and erases the per-parameter gathers. A flat concatenation rather than
 ``all_gather_into_tensor_coalesced``: both work on gloo and under inductor on CPU, and the flat one
 measured faster there (one gloo collective; see the issue note).
 
-Placement (prefetch depth one): bucket k's collective is issued just before bucket k-1's wait, its
-wait sits just before the first use of its first member, and the members are unpacked right there,
-so the flat gathered buffer dies at once. The live gathered bytes per engine are therefore bounded
-by two buckets (the one in use and the one in flight), plus the unpacking copy of one bucket.
+Placement (prefetch depth one, across engines): bucket k's collective is issued just before bucket
+k-1's wait, whichever engines they belong to (so the second engine's first gather is in flight while
+the first engine computes), its wait sits just before the first use of its first member, and the
+members are unpacked right there, so the flat gathered buffer dies at once. The live gathered
+bytes are therefore bounded by two buckets (the one in use and the one in flight), plus the
+unpacking copy of one bucket. Inductor keeps this order: graphzero compiles graphs with gathers
+without its peak-memory reordering (inductor_config.py).
 
 Records per engine ``all_gather_{fwd,bwd}`` (collectives), ``all_gather_bytes_{fwd,bwd}``,
 ``gather_buckets_{fwd,bwd}`` and the graph's ``gathered_peak_bytes_{fwd,bwd}`` (computed from graph
@@ -28,16 +32,19 @@ order: a bucket lives from its collective to the last use of any member); and th
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx
 
+from ..shard_gather import split_gathered
 from ._graph import Inserter, PassContext
 from .gather import chain_of, tagged_gathers
 
 PASS = "bucket_gathers"
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+SPLIT = split_gathered._opoverload
 
 
 @dataclasses.dataclass
@@ -96,14 +103,10 @@ def _merge(gm: fx.GraphModule, ctx: PassContext, b: int, bucket: list[_Member], 
                     why=f"all-gather bucket {b} ({len(bucket)} parameters, {world} ranks)")
     ins.cursor = first.wait.prev
     wait = ins.call(c10d.wait_tensor.default, (coll,), engine=engine, why=f"wait for gather bucket {b}")
-    total = sum(m.shard_numel for m in bucket)
-    grid = ins.call(aten.view.default, (wait, [world, total]), engine=engine, why="one row per rank")
-    offset = 0
-    for m in bucket:
-        cols = ins.call(aten.slice.Tensor, (grid, 1, offset, offset + m.shard_numel), engine=engine,
-                        why=f"{m.param}'s shard from every rank")
-        full = ins.call(aten.reshape.default, (cols, [-1]), engine=engine, why=f"{m.param} gathered, contiguous")
-        offset += m.shard_numel
+    split = ins.call(SPLIT, (wait, world, [m.shard_numel for m in bucket]), engine=engine,
+                     why=f"bucket {b}'s rows split into its parameters, each contiguous")
+    for i, m in enumerate(bucket):
+        full = ins.call(operator.getitem, (split, i), engine=engine, why=f"{m.param} gathered")
         m.wait.replace_all_uses_with(full)
         gm.graph.erase_node(m.wait)
         gm.graph.erase_node(m.gather)
@@ -115,13 +118,13 @@ def _bucket(gm: fx.GraphModule, ctx: PassContext, side: str) -> fx.GraphModule:
     if not members:
         return gm
     buckets = _plan(ctx, members)
-    previous_wait: dict[str, fx.Node] = {}
+    previous_wait: fx.Node | None = None
     collectives = []
     for b, bucket in enumerate(buckets):
         first = bucket[0]
-        # Issue before the previous bucket of this engine is waited for (prefetch depth one); the
+        # Issue before the previous bucket (of any engine) is waited for (prefetch depth one); the
         # first bucket stays where its first gather was.
-        issue_before = previous_wait.get(first.engine, first.gather)
+        issue_before = previous_wait or first.gather
         if len(bucket) == 1:
             if issue_before is not first.gather:
                 issue_before.prepend(first.gather)
@@ -130,7 +133,7 @@ def _bucket(gm: fx.GraphModule, ctx: PassContext, side: str) -> fx.GraphModule:
         else:
             wait = _merge(gm, ctx, b, bucket, issue_before)
             coll = wait.args[0]
-        previous_wait[first.engine] = wait
+        previous_wait = wait
         collectives.append((coll, bucket))
         ctx.zero3_plan.append((side, first.engine, coll.args[2], coll.args[1],
                                 tuple((m.param, m.shard_numel) for m in bucket)))

@@ -228,8 +228,11 @@ def test_measured_gathered_peak_stays_within_live_buckets(ranks, tmp_path):
     for r in results:
         model = r["model_bytes"]
         # forward: the bucket in use, the one in flight (2 buckets), the unpacking copy of one (1),
-        # the in-flight bucket's concatenated shards (1/world), activations (~1/4)
-        assert r["fwd_peak"] <= 4.5 * bucket_bytes < model / 3, r
+        # the in-flight bucket's concatenated shards (1/world), gloo's staging buffer of the bucket
+        # in flight (1, allocated on its own thread while the gather overlaps compute), temporaries;
+        # plus what the forward leaves for the backward (the last layer, kept as DeepSpeed keeps it,
+        # and activations)
+        assert r["fwd_peak"] <= 5.5 * bucket_bytes + r["fwd_left"] < model / 2, r
         # backward: two buckets of gathered weights (one in use, one in flight) and the unpacking
         # copy of one, two of full-size gradients and their concatenations in flight; each reduced
         # shard is added into the fp32 partition as its bucket completes, so nothing of size
@@ -240,9 +243,10 @@ def test_measured_gathered_peak_stays_within_live_buckets(ranks, tmp_path):
     net = results[0]["summary"]["graphs"][-1]["engines"]["net"]
     computed = net["gathered_peak_bytes_fwd"]
     # the graph-order estimate (two live buckets) agrees with the measurement within what it leaves
-    # out: the unpacking copy, the concatenated shards in flight, activations
+    # out: the unpacking copy, the concatenated shards in flight, gloo's staging buffer, what the
+    # forward leaves for the backward
     assert computed == 2 * bucket_bytes, net
-    assert computed <= results[0]["fwd_peak"] <= computed + 2.5 * bucket_bytes, (computed, results[0])
+    assert computed <= results[0]["fwd_peak"] <= computed + 3.5 * bucket_bytes + results[0]["fwd_left"], (computed, results[0])
     # DeepSpeed eager ZeRO-3 with the same buckets and data: graphzero's peak in the backward (what
     # the forward left plus what the backward adds) and over the whole step are at most its. (Even at
     # reuse distance 0 DeepSpeed keeps the forward's gathered parameters for the backward, its
