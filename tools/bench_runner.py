@@ -73,6 +73,7 @@ class RunContext:
     prefetch_bucket_size: int | None = None  # zero_optimization.stage3_prefetch_bucket_size (ZeRO-3)
     max_live_parameters: int | None = None  # zero_optimization.stage3_max_live_parameters (ZeRO-3)
     max_reuse_distance: int | None = None  # zero_optimization.stage3_max_reuse_distance (ZeRO-3)
+    persistence_threshold: int = 0  # zero_optimization.stage3_param_persistence_threshold (ZeRO-3)
 
     def fresh_parts(self) -> dict[str, nn.Module]:
         return {name: copy.deepcopy(part) for name, part in self.workload.parts.items()}
@@ -81,7 +82,7 @@ class RunContext:
         h = self.hyper
         zero: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
-            zero["stage3_param_persistence_threshold"] = 0
+            zero["stage3_param_persistence_threshold"] = self.persistence_threshold
             if self.prefetch_bucket_size is not None:
                 zero["stage3_prefetch_bucket_size"] = self.prefetch_bucket_size
             if self.max_live_parameters is not None:

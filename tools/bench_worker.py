@@ -156,7 +156,8 @@ def _run(args, rank, world, device, backend, threads, ctrl: ControlGroup) -> Non
                      rank=rank, world_size=world, device=device, hyper=Hyper(lr=args.lr),
                      graphzero_call=args.graphzero_call, reduce_bucket_size=args.reduce_bucket_size,
                      prefetch_bucket_size=args.prefetch_bucket_size, max_live_parameters=args.max_live_parameters,
-                     max_reuse_distance=args.max_reuse_distance)
+                     max_reuse_distance=args.max_reuse_distance,
+                     persistence_threshold=args.persistence_threshold)
     if any(issubclass(RUNNERS[n], _ds_base()) for n in args.runners):
         _init_deepspeed(backend, args.timeout, args.verbose)
     ctrl.barrier()

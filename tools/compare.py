@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-reuse-distance", type=int, default=None, metavar="ELEMENTS",
                    help="ZeRO-3: DeepSpeed zero_optimization.stage3_max_reuse_distance (default DeepSpeed's, 1e9: "
                    "a parameter used again within that many elements, e.g. in the backward, stays gathered)")
+    p.add_argument("--persistence-threshold", type=int, default=0, metavar="ELEMENTS",
+                   help="ZeRO-3: DeepSpeed zero_optimization.stage3_param_persistence_threshold (default 0: "
+                   "every parameter partitioned, as FSDP2 does; DeepSpeed's own default is 1e5: smaller "
+                   "parameters stay gathered and step() gathers them again)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: bounds a collective that a failed rank never joins")
