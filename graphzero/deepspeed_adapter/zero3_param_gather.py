@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..shard_gather import split_gathered
+
 
 def _status():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -33,16 +35,12 @@ def _gather_group(params: list[torch.nn.Parameter], group) -> None:
     world = dist.get_world_size(group=group)
     sizes = [int(p.ds_tensor.ds_numel) for p in params]
     flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
-    grid = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(grid, flat, group=group)
-    grid = grid.view(world, flat.numel())
-    offset = 0
-    for p, size in zip(params, sizes):
-        # the [world, size] columns are this parameter's shards in rank order; reshape copies them
-        # into storage of its own, as DeepSpeed gives each gathered parameter its own buffer
-        full = grid[:, offset:offset + size].reshape(-1)
+    gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    # the compiled graphs' unpacking: each parameter's shards in rank order, in storage of its own,
+    # as DeepSpeed gives each gathered parameter its own buffer
+    for p, full in zip(params, split_gathered(gathered, world, sizes)):
         p.data = full.narrow(0, 0, p.ds_numel).view(p.ds_shape)
-        offset += size
 
 
 def coalesced_all_gather(original: Callable, param: torch.nn.Parameter) -> Callable:
