@@ -92,6 +92,23 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(iter(gm.graph.find_nodes(op="output")))
 
 
+def drop_outputs(gm: fx.GraphModule, slots: list[int]) -> None:
+    """Return None in place of the graph outputs at ``slots``.
+
+    Inductor's compile_fx marks the backward's outputs "user visible" (output meta
+    ``user_visible_output_idxs``) before graphzero's passes run, and on a GPU its padding pass
+    (mark_nodes_dislike_padding, skipped for CPU inputs) reads every marked output as a node: a
+    marked None crashed the first compile on a GPU. A dropped output is no longer visible."""
+    out = output_node(gm)
+    values = list(out.args[0])
+    for slot in slots:
+        values[slot] = None
+    out.args = (tuple(values),) + tuple(out.args[1:])
+    if "user_visible_output_idxs" in out.meta:
+        out.meta["user_visible_output_idxs"] = [
+            i for i in out.meta["user_visible_output_idxs"] if i < len(values) and isinstance(values[i], fx.Node)]
+
+
 class Inserter:
     """Appends nodes after a moving cursor, giving each its fake value and graphzero metadata."""
 

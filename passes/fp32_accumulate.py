@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ..ownership import ParamSet
-from ._graph import Inserter, PassContext, output_node
+from ._graph import Inserter, PassContext, drop_outputs, output_node
 
 PASS = "fp32_accumulate"
 aten = torch.ops.aten
@@ -129,10 +129,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             delta = pieces[0] if len(pieces) == 1 else ins.call(aten.cat.default, (pieces,), engine=ps.name, why=why)
             ctx.accumulated[(ps, g)] = _add_into(ins, ps, sink, delta, scale, f"the {ps.accum_dtype} shard")
         ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
-    values = list(out.args[0])
-    for grad in ctx.grads:
-        values[grad.slot] = None
-    out.args = (tuple(values),) + tuple(out.args[1:])
+    drop_outputs(gm, [grad.slot for grad in ctx.grads])
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
