@@ -377,7 +377,12 @@ def eager_interop_scenario(path: str) -> dict:
     for what, eng in (("graphzero -> eager", to_eager), ("eager -> graphzero", to_gz)):
         for i, (a, e) in enumerate(zip(full_params(eng), expected)):
             torch.testing.assert_close(a, e, **PARAM_TOL, msg=lambda m, i=i, what=what: f"{what}: param {i}: {m}")
+    # DeepSpeed's reduce bucket (reduce_bucket_size elements) is freed while graphzero reduces ...
+    buckets = list(gz.optimizer.ipg_buckets.values())
+    assert buckets and all(b.buffer is None for b in buckets), "DeepSpeed's ZeRO-3 reduce bucket kept while attached"
     graphzero.detach(gz)
+    # ... and allocated again for DeepSpeed's own reduction, which the eager step below runs
+    assert all(b.buffer is not None and b.buffer.numel() == gz.optimizer.reduce_bucket_size for b in buckets)
     before = full_params(gz)
     train(gz, None, 4, 1)
     assert any(not torch.equal(a, b) for a, b in zip(full_params(gz), before)), "eager step after detach changed nothing"

@@ -62,6 +62,26 @@ def check_zero3_config(engine, unsupported) -> None:
         raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
 
 
+def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
+    """Free DeepSpeed's ZeRO-3 reduce bucket while attached; allocate it again on detach.
+
+    The bucket (``reduce_bucket_size`` elements per gradient dtype, allocated at init: 1.9 GiB in
+    fp32 at the default 5e8, per engine) is filled only by the gradient hooks that attach removes;
+    graphzero reduces in its graphs. Its contents are scratch between two reductions, so detach
+    allocates it empty, as DeepSpeed's own ``offload_states`` / ``reload_states`` do. Not through
+    ``ledger.set_attr``: the ledger would keep the old buffer alive."""
+    buffer = bucket.buffer
+    if buffer is None:
+        return
+    shape, dtype, device = buffer.shape, buffer.dtype, buffer.device
+    bucket.buffer = None
+    del buffer
+
+    def allocate() -> None:
+        bucket.buffer = torch.empty(shape, dtype=dtype, device=device)
+    ledger.on_undo(allocate, f"allocate DeepSpeed's {dtype} ZeRO-3 reduce bucket again")
+
+
 class Zero3Binding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
         self._installed_lists: dict[int, list] = {}
@@ -168,6 +188,8 @@ class Zero3Binding(DeepSpeedBinding):
         offload = opt.parameter_offload
         for handle in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
             ledger.remove_hook(handle)
+        for bucket in opt.ipg_buckets.values():
+            _release_reduce_bucket(bucket, ledger)
         ps = self.param_set
         owned = [(n, p) for g in ps.groups for n, p in zip(g.names, g.params)]
         for _, p in owned:
