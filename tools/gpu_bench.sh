@@ -3,9 +3,11 @@
 #
 #   bash tools/gpu_bench.sh            # on the GPU machine, from the repository root, after `make install`
 #   GPU_BENCH_DRY_RUN=1 bash tools/gpu_bench.sh   # the same plumbing on CPU, tiny sizes (for a check here)
+#   tools/gpu_wheels.sh                # here: wheels for a lent machine that has torch but no pip access
 #
-# World size 1 on one GPU (two NCCL ranks cannot share a GPU; DeepCompile also needs one GPU per
-# rank), the mlp and transformer workloads, ZeRO-2 fp32 and bf16, every runner graphzero-compare has
+# World size 2 where 2 GPUs exist (real NCCL traffic: the ZeRO-2 vs DDP and ZeRO-3 vs DeepSpeed
+# targets are about that), else 1 (two NCCL ranks cannot share a GPU; DeepCompile also needs one GPU
+# per rank); GPU_BENCH_WORLD overrides. The mlp and transformer workloads, ZeRO-2 fp32 and bf16, every runner graphzero-compare has
 # (graphzero inductor/eager, DeepSpeed eager with engine.backward and with plain backward,
 # DeepCompile, FSDP2, DDP, and torch-compile-fused: plain torch.compile + AdamW(fused=True), the
 # single-process ideal, which runs at world size 1 only). The table has each runner's forward /
@@ -37,14 +39,15 @@ else
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use GPU_BENCH_DRY_RUN=1')"
 fi
 machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$device" = cuda ] && [ "$gpus" -ge 2 ]; then world_size=${GPU_BENCH_WORLD:-2}; else world_size=${GPU_BENCH_WORLD:-1}; fi
 {
   echo
-  echo "## GPU check (tools/gpu_bench.sh), $(date -u +%Y-%m-%d), $machine, world size 1"
+  echo "## GPU check (tools/gpu_bench.sh), $(date -u +%Y-%m-%d), $machine, timing at world size $world_size"
   echo
 } >> "$OUTDIR/section.md"
 
 # -- stage 1: correctness smoke -----------------------------------------------------------------
-gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 worlds=(1)
 if [ "$device" = cpu ] || [ "$gpus" -ge 2 ]; then worlds=(1 2); fi
 for world in "${worlds[@]}"; do
@@ -77,7 +80,7 @@ for case in "${cases[@]}"; do
     continue
   fi
   json="$OUTDIR/$model-z$stage-$dtype.json"
-  cmd=("$PY" -m graphzero_tools.compare --model "$model" --stage "$stage" --dtype "$dtype" --world-size 1
+  cmd=("$PY" -m graphzero_tools.compare --model "$model" --stage "$stage" --dtype "$dtype" --world-size "$world_size"
        --device "$device" "${size[@]}" "${steps[@]}" "${runners[@]}" --no-progress --timeout 120 --json "$json")
   echo "\$ ${cmd[*]}" | tee -a "$OUTDIR/section.md" "$OUTDIR/bench.log"
   set +e
