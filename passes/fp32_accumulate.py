@@ -69,7 +69,12 @@ def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g
     group = ps.groups[g]
     for grad in ctx.grads_of(ps, g):
         k = grad.owned.position
-        ins = Inserter(gm, ctx, PASS, after=grad.node)
+        after = grad.node
+        if after.op == "placeholder":
+            # computed in the forward graph (torch 2.11's partitioner does this for ZeRO-3 reduced
+            # shards): add it after every input, the sink included
+            after = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        ins = Inserter(gm, ctx, PASS, after=after)
         x = grad.node
         if x.meta["val"].dtype != ps.comm_dtype:
             x = ins.call(torch.ops.prims.convert_element_type.default, (x, ps.comm_dtype), engine=ps.name,
