@@ -1,7 +1,8 @@
-"""The gradient norm folded into the compiled backward (ZeRO-1/2 with graphzero's lean step).
+"""The gradient norm folded into the compiled backward (ZeRO-1/2 with graphzero's lean step, and
+ZeRO-3, whose DeepSpeed step reads it through ``_get_norm_groups``; deepspeed_adapter/zero3.py).
 
 DeepSpeed's ``step()`` (and the lean step before this) starts with a blocking all-reduce of every
-param group's squared gradient norm. graphzero already computes the final gradient shard in the
+param group's squared gradient norm (ZeRO-3: one per param group). graphzero already computes the final gradient shard in the
 compiled backward (``fp32_accumulate``: sink + this backward's reduced chunk), so the squares can
 be taken there, in the same fused pass over the shard (the ``fold_norm`` pass, DeepSpeed's formula:
 each parameter's piece of this rank's partition normed in fp64, padding excluded, squared, summed,

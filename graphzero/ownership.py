@@ -101,8 +101,8 @@ class ParamSet:
     local: Any = None
     defers_reduction: Callable[[], bool] = lambda: False
     at_boundary: Callable[[], bool] = lambda: True
-    # ZeRO-1/2 with graphzero's lean step: a norm_fold.FoldedNorm (graphs compiled while it is set
-    # fold the squared gradient norm into the backward); None: step() computes the norm itself
+    # ZeRO-1/2 with graphzero's lean step, and ZeRO-3: a norm_fold.FoldedNorm (graphs compiled while
+    # it is set fold the squared gradient norm into the backward); None: step() computes the norm itself
     norm: Any = None
 
     def __post_init__(self) -> None:

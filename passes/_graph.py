@@ -71,6 +71,9 @@ class PassContext:
     # (param set, group) -> the node holding that group's whole gradient shard after this backward's
     # accumulation (fp32_accumulate); fold_norm takes its squared norm
     accumulated: dict[tuple[ParamSet, int], fx.Node] = dataclasses.field(default_factory=dict)
+    # ZeRO-3 (param set, group) -> each parameter's piece of the group's shard after this backward's
+    # accumulation, in group order; only when every parameter of the group has a gradient here
+    accumulated_pieces: dict[tuple[ParamSet, int], list[fx.Node]] = dataclasses.field(default_factory=dict)
 
     @property
     def collective_plan(self) -> list[tuple]:

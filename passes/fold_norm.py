@@ -1,17 +1,20 @@
 """fold_norm: the squared gradient norm of each param group's final shard, in the backward.
 
-For an engine whose optimizer step reads a folded norm (``ParamSet.norm``, ZeRO-1/2 with the lean
-step) and whose every param group this backward accumulates into, it appends one placeholder (a
-``(num_groups,)`` fp32 buffer the runtime supplies, kind ``"norm"``) and inserts, for each group:
+For an engine whose optimizer step reads a folded norm (``ParamSet.norm``: ZeRO-1/2 with the lean
+step, ZeRO-3 through DeepSpeed's own step) and whose every param group this backward accumulates
+into (ZeRO-3: every parameter of it), it appends one placeholder (a ``(num_groups,)`` fp32 buffer
+the runtime supplies, kind ``"norm"``) and inserts, for each group:
 
-  for every parameter's piece of this rank's shard (padding excluded): slice of the accumulated
-  shard -> fp64 -> sum of squares;  summed over the pieces -> fp32
+  for every parameter's piece of this rank's shard: piece -> fp64 -> sum of squares;
+  summed over the pieces -> fp32
 
-which is DeepSpeed's ``get_grad_norm_direct`` formula (each piece's fp64 2-norm squared, summed,
-cast to fp32; the square of a norm is taken as the sum of squares it is the root of, within an
-fp64 rounding), then copies the squares into the buffer. The sum over ranks happens after the
-backward (norm_fold.py). An engine with a group this graph does not write gets nothing: its
-shards' norm is not known here, and step() computes it.
+which is DeepSpeed's formula (``get_grad_norm_direct``: each piece's 2-norm squared, summed; the
+square of a norm is taken as the sum of squares it is the root of, within an fp64 rounding), then
+copies the squares into the buffer. The pieces: ZeRO-1/2, slices of the accumulated shard with the
+padding excluded (DeepSpeed's ``scaled_global_norm``); ZeRO-3, each parameter's whole partition as
+fp32_accumulate wrote it (DeepSpeed norms the same views; their padding holds zeros). The sum over
+ranks happens after the backward (norm_fold.py). An engine with a group (ZeRO-3: a parameter) this
+graph does not write gets nothing: its shards' norm is not known here, and step() computes it.
 """
 from __future__ import annotations
 
@@ -37,30 +40,52 @@ def _pieces(group, world: int, rank: int) -> list[tuple[int, int]]:
     return out
 
 
+def _sources(ctx: PassContext, ps) -> list | None:
+    """Per group, what its final shard is made of in this graph, or None if this graph does not
+    write all of some group: the accumulated shard node (ZeRO-1/2) or the per-parameter pieces (ZeRO-3)."""
+    out = []
+    for g, group in enumerate(ps.groups):
+        if group.presharded:
+            source = ctx.accumulated_pieces.get((ps, g))
+        else:
+            source = ctx.accumulated.get((ps, g)) if group.sharded else None
+        if source is None:
+            return None
+        out.append(source)
+    return out
+
+
 def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
-        if ps.norm is None or ps.stage == 3 or ctx.local.get(ps) == "accumulate":
+        if ps.norm is None or ctx.local.get(ps) == "accumulate":
             continue
-        totals = [ctx.accumulated.get((ps, g)) for g in range(len(ps.groups))]
-        if any(t is None for t in totals) or any(not g.sharded for g in ps.groups):
+        sources = _sources(ctx, ps)
+        if sources is None:
             continue
-        device = totals[0].meta["val"].device
+        first = sources[0][0] if isinstance(sources[0], list) else sources[0]
+        device = first.meta["val"].device
         with ctx.fake_mode:
             val = torch.empty((len(ps.groups),), dtype=torch.float32, device=device)
         buf = append_placeholder(gm, ctx, PASS, f"graphzero_norm_{ps.name}", val, "norm", ps, None,
                                  f"squared gradient norm of each of {len(ps.groups)} param group shard(s)")
         ins = Inserter(gm, ctx, PASS, after=output_node(gm).prev)
         squares = []
-        for g, total in enumerate(totals):
+        for g, source in enumerate(sources):
             norms = []
-            for a, z in _pieces(ps.groups[g], ps.world_size, ps.rank):
-                piece = ins.call(aten.slice.Tensor, (total, 0, a, z), engine=ps.name, why=f"group {g} piece")
-                piece = ins.call(prims.convert_element_type.default, (piece, torch.float64), engine=ps.name,
-                                 why="DeepSpeed norms each piece in fp64")
-                sq = ins.call(aten.mul.Tensor, (piece, piece), engine=ps.name, why="squares")
+            if isinstance(source, list):
+                # ZeRO-3: squared where each piece is written, so that only a scalar outlives it (a
+                # piece kept to the end of the backward would hold this rank's whole shard)
+                pieces = [(Inserter(gm, ctx, PASS, after=piece), piece) for piece in source]
+            else:
+                pieces = [(ins, ins.call(aten.slice.Tensor, (source, 0, a, z), engine=ps.name, why=f"group {g} piece"))
+                          for a, z in _pieces(ps.groups[g], ps.world_size, ps.rank)]
+            for at, piece in pieces:
+                piece = at.call(prims.convert_element_type.default, (piece, torch.float64), engine=ps.name,
+                                why="DeepSpeed norms each piece in fp64")
+                sq = at.call(aten.mul.Tensor, (piece, piece), engine=ps.name, why="squares")
                 # the square of the piece's fp64 2-norm (inductor lowers the norm itself to this sum)
-                norms.append(ins.call(aten.sum.default, (sq,), engine=ps.name,
-                                      why=f"squared 2-norm of a parameter's piece of group {g}"))
+                norms.append(at.call(aten.sum.default, (sq,), engine=ps.name,
+                                     why=f"squared 2-norm of a parameter's piece of group {g}"))
             if not norms:
                 squares.append(ins.zeros(1, torch.float32, device, engine=ps.name, why=f"group {g}: no piece"))
                 continue
@@ -72,7 +97,7 @@ def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             squares.append(ins.call(aten.reshape.default, (total_sq, [1]), engine=ps.name, why=f"group {g}"))
         cat = squares[0] if len(squares) == 1 else ins.call(aten.cat.default, (squares,), engine=ps.name,
                                                             why="one scalar per param group")
-        ins.call(aten.copy_.default, (buf, cat), engine=ps.name, why="the squares the lean step reads")
+        ins.call(aten.copy_.default, (buf, cat), engine=ps.name, why="the squares step() reads")
         ctx.count(ps, "fold_norm", len(ps.groups))
     gm.graph.lint()
     gm.recompile()

@@ -65,8 +65,9 @@ def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g
                            scale: fx.Node | None) -> None:
     """ZeRO-3: add each parameter's reduce-scattered shard gradient into its slice of the sink, right
     where it becomes available (the reduced shard dies with its bucket); parameters without a
-    gradient in this graph are left as they are."""
+    gradient in this graph are left as they are. The sums written are fold_norm's pieces."""
     group = ps.groups[g]
+    written: dict[int, fx.Node] = {}
     for grad in ctx.grads_of(ps, g):
         k = grad.owned.position
         after = grad.node
@@ -82,7 +83,9 @@ def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g
         lo = group.offsets[k]
         view = ins.call(aten.slice.Tensor, (sink, 0, lo, lo + group.shard_numel_of(k)), engine=ps.name,
                         why=f"{group.names[k]}'s piece of the {ps.accum_dtype} partition")
-        _add_into(ins, ps, view, x, scale, f"{group.names[k]}'s piece of the partition")
+        written[k] = _add_into(ins, ps, view, x, scale, f"{group.names[k]}'s piece of the partition")
+    if len(written) == len(group.params):
+        ctx.accumulated_pieces[(ps, g)] = [written[k] for k in range(len(group.params))]
 
 
 def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,8 +1,8 @@
 """The gradient norm folded into the compiled backward (norm_fold.py, passes/fold_norm.py).
 
 One engine, three copies with the same seed and data: DeepSpeed eager (``engine.backward``),
-graphzero with its lean step (the norm's squares computed in the compiled backward and all-reduced
-after it), and a single-process reference (full batch over the ranks, ``clip_grad_norm_``). Over
+graphzero with its lean step (ZeRO-1/2) or DeepSpeed's own step (ZeRO-3) (the norm's squares
+computed in the compiled backward and all-reduced after it), and a single-process reference (full batch over the ranks, ``clip_grad_norm_``). Over
 3 optimizer steps, ``engine.get_global_grad_norm()`` under graphzero equals DeepSpeed eager's
 (rtol 1e-5: eager reduces in another order) and the reference's (rtol 1e-4), and the parameters
 stay close. With ``safety_net`` part of the loss runs eagerly through the engine, so gradients
@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from scenario_utils import Reference, data, ds_config, engine, mlp, rank_world
+from scenario_utils import Reference, data, ds_config, engine, full_params, mlp, rank_world
 
 CLIP = 0.05
 
@@ -61,7 +61,7 @@ def folded_norm_scenario(stage: int, gas: int, dtype: str, safety_net: bool, ste
         torch.testing.assert_close(norm_gz, ref.norms["m"], rtol=tol, atol=0, msg=what)
         if t == 0:
             assert norm_gz > CLIP, f"norm {norm_gz} does not exceed the clip: clipping untested"
-        for pa, pb in zip(gz["m"].module.parameters(), eager["m"].module.parameters()):
+        for pa, pb in zip(full_params(gz["m"]), full_params(eager["m"])):   # ZeRO-3: gathered
             torch.testing.assert_close(pa, pb, rtol=tol, atol=1e-5 if dtype == "fp32" else 1e-2, msg=what)
     fold = binding_of(gz["m"]).param_set.norm
     assert fold is not None and fold.folded + fold.blocking == steps, (fold.folded, fold.blocking)
@@ -69,8 +69,19 @@ def folded_norm_scenario(stage: int, gas: int, dtype: str, safety_net: bool, ste
         assert fold.folded == steps and fold.blocking == 0, (fold.folded, fold.blocking)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_ranks_after(ranks):
+    # ZeRO-3 initialisation patches torch.nn.functional.linear process-wide (as in test_zero3.py)
+    yield
+    ranks.close()
+
+
+# ZeRO-3 last: its engines patch the ranks' torch (above). ZeRO-3 keeps DeepSpeed's own step, which
+# reads the folded norm through _get_norm_groups (deepspeed_adapter/zero3.py).
 @pytest.mark.parametrize("stage,gas,dtype,safety_net", [(2, 1, "fp32", False), (2, 2, "fp32", False),
                                                         (1, 2, "fp32", False), (2, 1, "bf16", False),
-                                                        (2, 2, "fp32", True)])
+                                                        (2, 2, "fp32", True), (3, 1, "fp32", False),
+                                                        (3, 2, "fp32", False), (3, 1, "bf16", False),
+                                                        (3, 1, "fp32", True)])
 def test_folded_norm_matches_deepspeed_and_reference(ranks, stage, gas, dtype, safety_net):
     ranks.run(folded_norm_scenario, stage, gas, dtype, safety_net)

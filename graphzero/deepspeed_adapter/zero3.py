@@ -16,6 +16,10 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
   of it (``__param_id_to_grad_partition``), which ``step()``, ``safe_get_full_grad`` and the
   checkpoint code read.
 
+The squared gradient norm is folded into the compiled backward (norm_fold.py): ``step()``'s
+``_get_norm_groups`` reads it instead of one blocking all-reduce per param group, unless a write
+since (the eager safety net, another graph) made it stale.
+
 Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
 in the forward graph like the others, but their gathered value is saved for backward rather than
 gathered again (``FlatGroup.persistent``, read by the release pass); DeepSpeed's own copy stays as it
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
+from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup
 from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
@@ -209,6 +214,33 @@ class Zero3Binding(DeepSpeedBinding):
                 ledger.set_attr(p, "all_gather", coalesced_all_gather(p.all_gather, p))
         # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
+        self._install_folded_norm(ledger)
+
+    def _install_folded_norm(self, ledger: PatchLedger) -> None:
+        """Graphs compiled from now on fold the squared gradient norm into the backward
+        (norm_fold.py); DeepSpeed's step() reads it through ``_get_norm_groups`` instead of one
+        blocking all-reduce per param group, and computes it itself whenever it is stale."""
+        opt, ps = self.engine.optimizer, self.param_set
+        if ds_attr(opt, "use_muon"):   # the Muon update is normed, not the gradient
+            return
+        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+        own = opt._get_norm_groups
+
+        def norm_groups() -> list[torch.Tensor]:
+            squares = ps.norm.take() if ps.norm is not None else None
+            if squares is None:
+                return own()
+            # get_grad_norm_direct's result per group: the root, inf/nan masked to -1
+            norms = squares.pow(0.5)
+            return list(norms.masked_fill(norms.isnan() | norms.isinf(), -1.0).unbind())
+
+        ledger.set_attr(opt, "_get_norm_groups", norm_groups)
+        ledger.on_undo(self._forget_norm, "the folded norm")
+
+    def _forget_norm(self) -> None:
+        if self.param_set.norm is not None:
+            self.param_set.norm.forget()
+            self.param_set.norm = None
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
