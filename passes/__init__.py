@@ -33,7 +33,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
 #   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
-#   fold_norm (the squared norm of each accumulated shard, for the lean step); schedule_overlap moves waits.
+#   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
                               fold_norm, schedule_overlap)
 # release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
