@@ -175,6 +175,21 @@ def assert_grads_close(actual: list[torch.Tensor], expected: list[torch.Tensor],
         torch.testing.assert_close(a, e.float(), rtol=rtol, atol=atol, msg=lambda m, i=i: f"{what}: grad {i}: {m}")
 
 
+def check_gan_step(engines: dict, ref: Reference, t: int) -> None:
+    """After step ``t``'s backward of ``gan_loss`` through ``engines``: the reference takes the same
+    step over every rank's data, each engine's full gradients must match it, the engines step, and
+    their gradient norms must match the reference's."""
+    rank, world = rank_world()
+    ref.accumulate(gan_loss, [data(t, r, (4, 8), (4, 8)) for r in range(world)])
+    for name, eng in engines.items():
+        assert_grads_close(full_grads(eng), ref.grads(name), **GRAD_TOL, what=f"rank {rank} step {t} {name}")
+        eng.step()
+    ref.step()
+    for name, eng in engines.items():
+        torch.testing.assert_close(float(eng.get_global_grad_norm()), ref.norms[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"step {t} {name} gradient norm: {m}")
+
+
 def assert_no_full_grads(*engines) -> None:
     for eng in engines:
         for name, p in eng.module.named_parameters():
