@@ -175,6 +175,21 @@ def assert_grads_close(actual: list[torch.Tensor], expected: list[torch.Tensor],
         torch.testing.assert_close(a, e.float(), rtol=rtol, atol=atol, msg=lambda m, i=i: f"{what}: grad {i}: {m}")
 
 
+def gan_engines(stage: int) -> tuple[dict, Reference]:
+    """The small GAN (gen 8->16->8, disc 8->16->1, seed 0) as two DeepSpeed engines at ``stage``
+    (ZeRO-3 with every parameter partitioned), attached to graphzero, and its reference."""
+    import graphzero
+    torch.manual_seed(0)
+    models = {"gen": mlp(8, 16, 8), "disc": mlp(8, 16, 1)}
+    ref = Reference(models)
+    cfg = ds_config(stage)
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engines = {name: engine(m, cfg) for name, m in models.items()}
+    graphzero.attach(**engines)
+    return engines, ref
+
+
 def check_gan_step(engines: dict, ref: Reference, t: int) -> None:
     """After step ``t``'s backward of ``gan_loss`` through ``engines``: the reference takes the same
     step over every rank's data, each engine's full gradients must match it, the engines step, and

@@ -14,15 +14,7 @@ import pytest
 import torch
 
 import graphzero
-from scenario_utils import (
-    Reference,
-    check_gan_step,
-    data,
-    ds_config,
-    engine,
-    gan_loss,
-    mlp,
-)
+from scenario_utils import check_gan_step, data, gan_engines, gan_loss
 
 STEPS = 3
 
@@ -32,14 +24,7 @@ def padding_scenario(stage: int) -> int:
     from torch._inductor import graph as inductor_graph
 
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    G, D = mlp(8, 16, 8), mlp(8, 16, 1)
-    ref = Reference({"gen": G, "disc": D})
-    cfg = ds_config(stage)
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    engines = {"gen": engine(G, cfg), "disc": engine(D, cfg)}
-    graphzero.attach(**engines)
+    engines, ref = gan_engines(stage)
     real_extend = inductor_graph.extend_user_visible_output_strides
     seen = []
 

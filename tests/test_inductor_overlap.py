@@ -27,14 +27,11 @@ import graphzero
 from graphzero import inductor_config
 from scenario_utils import (
     GRAD_TOL,
-    Reference,
     assert_grads_close,
     data,
-    ds_config,
-    engine,
     full_grads,
+    gan_engines,
     gan_loss,
-    mlp,
 )
 
 STEPS = 3
@@ -85,14 +82,7 @@ def overlap_scenario(variant: str, switch: str | None, lift_pin: bool = False) -
 
     stage, options = VARIANTS[variant]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(0)
-    G, D = mlp(8, 16, 8), mlp(8, 16, 1)
-    ref = Reference({"gen": G, "disc": D})
-    cfg = ds_config(stage)
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    engines = {"gen": engine(G, cfg), "disc": engine(D, cfg)}
-    graphzero.attach(**engines)
+    engines, ref = gan_engines(stage)
     modules: list[dict] = []
 
     def save_output_code(code: str) -> None:
