@@ -2,13 +2,14 @@
 ZeRO-3, whose DeepSpeed step reads it through ``_get_norm_groups``; deepspeed_adapter/zero3.py).
 
 DeepSpeed's ``step()`` (and the lean step before this) starts with a blocking all-reduce of every
-param group's squared gradient norm (ZeRO-3: one per param group). graphzero already computes the final gradient shard in the
-compiled backward (``fp32_accumulate``: sink + this backward's reduced chunk), so the squares can
-be taken there, in the same fused pass over the shard (the ``fold_norm`` pass, DeepSpeed's formula:
-each parameter's piece of this rank's partition normed in fp64, padding excluded, squared, summed,
-cast to fp32). Right after the compiled backward returns, the runtime issues one asynchronous
-all-reduce of those few scalars (one per param group) and the lean step waits for it: by then it
-has long finished, so ``step()`` no longer blocks on a collective of its own.
+param group's squared gradient norm (ZeRO-3: one per param group). graphzero already computes the
+final gradient shard in the compiled backward (``fp32_accumulate``: sink + this backward's reduced
+chunk), so the squares can be taken there, in the same fused pass over the shard (the ``fold_norm``
+pass, DeepSpeed's formula: each parameter's piece of this rank's partition normed in fp64, padding
+excluded, squared, summed, cast to fp32). Right after the compiled backward returns, the runtime
+issues one asynchronous all-reduce of those few scalars (one per param group) and the lean step
+waits for it: by then it has long finished, so ``step()`` no longer blocks on a collective of its
+own.
 
 The norm must be the norm of the *final* gradient at the optimizer boundary. The squares read the
 whole shard after this backward's write, so they include every earlier contribution (earlier

@@ -2,13 +2,14 @@
 
 One engine, three copies with the same seed and data: DeepSpeed eager (``engine.backward``),
 graphzero with its lean step (ZeRO-1/2) or DeepSpeed's own step (ZeRO-3) (the norm's squares
-computed in the compiled backward and all-reduced after it), and a single-process reference (full batch over the ranks, ``clip_grad_norm_``). Over
-3 optimizer steps, ``engine.get_global_grad_norm()`` under graphzero equals DeepSpeed eager's
-(rtol 1e-5: eager reduces in another order) and the reference's (rtol 1e-4), and the parameters
-stay close. With ``safety_net`` part of the loss runs eagerly through the engine, so gradients
-reach its shards through the eager safety net too: the norm is still the final gradient's (taken
-from the backward when the safety net wrote before it, otherwise computed in step()).
-The folded path must actually be taken where nothing writes after the compiled backward.
+computed in the compiled backward and all-reduced after it), and a single-process reference (full
+batch over the ranks, ``clip_grad_norm_``). Over 3 optimizer steps,
+``engine.get_global_grad_norm()`` under graphzero equals DeepSpeed eager's (rtol 1e-5: eager reduces
+in another order) and the reference's (rtol 1e-4), and the parameters stay close. With
+``safety_net`` part of the loss runs eagerly through the engine, so gradients reach its shards
+through the eager safety net too: the norm is still the final gradient's (taken from the backward
+when the safety net wrote before it, otherwise computed in step()). The folded path must actually be
+taken where nothing writes after the compiled backward.
 """
 from __future__ import annotations
 

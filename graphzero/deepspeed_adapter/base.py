@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .. import devices, local_accumulation, rank_agreement
 from ..errors import GraphZeroError, InstallError, InternalsError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
+from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup, ParamSet
 from .ledger import PatchLedger
 
@@ -289,6 +290,18 @@ class DeepSpeedBinding:
             # (ParamSet.detached), and Dynamo compiles the step again on its next call.
             self.param_set.detached = True
             torch._dynamo.reset_code_caches()
+
+    def _fold_norm(self) -> None:
+        """Graphs compiled from now on fold the squared gradient norm into the backward
+        (norm_fold.py); the subclass makes its optimizer step read it."""
+        ps = self.param_set
+        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+
+    def _unfold_norm(self) -> None:
+        """The optimizer step computes the norm itself again; a norm in flight is finished."""
+        if self.param_set.norm is not None:
+            self.param_set.norm.forget()
+            self.param_set.norm = None
 
     def _forget_gradients(self) -> None:
         """``zero_grad``: drop the accumulated shards and the window's local sums, as DeepSpeed

@@ -17,7 +17,6 @@ import weakref
 
 import torch
 
-from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup
 from . import lean_step
 from .base import DeepSpeedBinding, _deepspeed_version
@@ -63,9 +62,7 @@ class ZeroBinding(DeepSpeedBinding):
         if self.lean_step is not None:
             self.param_sync.wait()
         self._step_ledger.undo()
-        if self.param_set.norm is not None:
-            self.param_set.norm.forget()
-            self.param_set.norm = None
+        self._unfold_norm()
         if not self.want_lean_step:
             return
         if self._mirror_changes is None:
@@ -83,12 +80,10 @@ class ZeroBinding(DeepSpeedBinding):
             log.info("engine %r: DeepSpeed's own optimizer step (graphzero's lean step does not cover %s)",
                      self.name, reason)
             return
-        # graphs compiled from now on fold the squared norm into the backward (norm_fold.py)
-        ps = self.param_set
-        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+        self._fold_norm()
         self._step_ledger.set_attr(opt, "step", lean_step.LeanStep(opt, self.name,
                                                                     self.param_sync if self.want_defer else None,
-                                                                    ps.norm))
+                                                                    self.param_set.norm))
 
     def _install(self, ledger: PatchLedger) -> None:
         super()._install(ledger)
@@ -99,9 +94,7 @@ class ZeroBinding(DeepSpeedBinding):
 
     def uninstall(self) -> None:
         self.param_sync.wait()   # a deferred all-gather writes the parameters: finish it first
-        if self.param_set.norm is not None:
-            self.param_set.norm.forget()
-            self.param_set.norm = None
+        self._unfold_norm()
         super().uninstall()
 
     def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:

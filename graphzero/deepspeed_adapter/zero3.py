@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
-from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup
 from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
@@ -223,7 +222,7 @@ class Zero3Binding(DeepSpeedBinding):
         opt, ps = self.engine.optimizer, self.param_set
         if ds_attr(opt, "use_muon"):   # the Muon update is normed, not the gradient
             return
-        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+        self._fold_norm()
         own = opt._get_norm_groups
 
         def norm_groups() -> list[torch.Tensor]:
@@ -235,12 +234,7 @@ class Zero3Binding(DeepSpeedBinding):
             return list(norms.masked_fill(norms.isnan() | norms.isinf(), -1.0).unbind())
 
         ledger.set_attr(opt, "_get_norm_groups", norm_groups)
-        ledger.on_undo(self._forget_norm, "the folded norm")
-
-    def _forget_norm(self) -> None:
-        if self.param_set.norm is not None:
-            self.param_set.norm.forget()
-            self.param_set.norm = None
+        ledger.on_undo(self._unfold_norm, "the folded norm")
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
