@@ -9,7 +9,7 @@ from typing import Any
 from .errors import OptionError
 
 INNER_COMPILERS = ("inductor", "eager")
-COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
 DUMP_RANKS = ("0", "all")
 
 
@@ -21,8 +21,11 @@ class Options:
     inner: ``"inductor"`` compiles the transformed graphs with inductor, ``"eager"`` runs them as FX.
     bucket_size: elements per reduction bucket; None means each engine's
         ``zero_optimization.reduce_bucket_size``.
-    collective: ``"reduce_scatter"`` or ``"all_reduce"`` (then each rank keeps only its shard);
-        ``"auto"`` picks reduce-scatter, except on gloo where an all-reduce is measured cheaper.
+    collective: how a bucket is reduced to each rank's shard: ``"reduce_scatter"`` (the backend's
+        own), ``"all_to_all"`` (each rank sends its peers their chunks and sums what it receives:
+        the reduce-scatter's bytes on a backend without one), ``"all_reduce"`` (ZeRO-1/2: then
+        each rank keeps only its shard). ``"auto"``: reduce-scatter, all-to-all on gloo (whose
+        reduce-scatter is an all-reduce underneath).
     overlap: issue each bucket's collective as soon as its gradients exist and wait as late as
         possible; off waits right after issuing.
     dump_dir / dump_ranks: where and from which ranks to write the graph dump (docs/dump-format.md).

@@ -21,6 +21,7 @@ from .fold_norm import fold_norm
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
 from .local_accumulate import local_accumulate
+from .lower_reduce_scatter import lower_reduce_scatter
 from .reduce_scatter import insert_reduce_scatter
 from .release import release
 from .schedule import schedule_overlap
@@ -33,9 +34,10 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
 #   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
-#   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits.
+#   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits;
+#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum) last, where the waits stand.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
-                              fold_norm, schedule_overlap)
+                              fold_norm, schedule_overlap, lower_reduce_scatter)
 # release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
 # saves their shards, not the parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
@@ -82,6 +84,7 @@ __all__ = [
     "fp32_accumulate",
     "insert_reduce_scatter",
     "local_accumulate",
+    "lower_reduce_scatter",
     "release",
     "run_pipeline",
     "schedule_gathers_backward",

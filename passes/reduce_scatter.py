@@ -7,8 +7,8 @@ overlap the rest of backward):
   in the bucket (zeros for padding and for parameters without a gradient in this graph) -> cat
   -> ``_c10d_functional.reduce_scatter_tensor`` (each rank receives its chunk) -> ``wait_tensor``.
 
-Sharded groups (ZeRO optimizer partitions) use a reduce-scatter, or, with
-``collective="all_reduce"`` (the "auto" choice on gloo, where it measured cheaper), an all-reduce
+Sharded groups (ZeRO optimizer partitions) use a reduce-scatter (on gloo lowered to an all-to-all
+and a local sum by lower_reduce_scatter), or, with ``collective="all_reduce"``, an all-reduce
 followed by a slice of this rank's chunk: each rank still keeps only its shard. Groups every rank
 keeps whole (BF16_Optimizer) use an all-reduce. Scaling by 1/(world*gas) happens later, in the
 accumulation dtype (fp32_accumulate).
@@ -30,8 +30,6 @@ def _use_all_reduce(ctx: PassContext, bucket: Bucket) -> bool:
     ps = bucket.param_set
     if not ps.groups[bucket.group].sharded:
         return True
-    if ctx.collective == "auto":
-        return ps.backend == "gloo"
     return ctx.collective == "all_reduce"
 
 

@@ -75,7 +75,7 @@ def test_ok_runners_have_metrics(mlp_run):
         assert e["collectives_per_step"] >= 1 and e["bytes_reduced_per_step"] > 0
         assert e["collectives_by_op"]
         assert e["max_abs_param_diff"] is not None and e["params_match"] is not None
-        assert len(e["losses"]) == 1 + 1 + STEPS and e["final_loss"] == e["losses"][-1]
+        assert len(e["losses"]) == 1 + 2 + STEPS and e["final_loss"] == e["losses"][-1]
         assert set(e["phase_ms"]) == set(bench_report.PHASES) and all(v > 0 for v in e["phase_ms"].values())
         assert max(e["phase_ms"].values()) <= s["max"], (name, e["phase_ms"], s)  # each phase within a step
         assert e["gathered_peak_bytes"] is None  # ZeRO-2: nothing is gathered per module
@@ -249,12 +249,14 @@ def test_summarize_collectives():
     ev = [SimpleNamespace(name="gloo:all_reduce", input_shapes=[[10]], input_dtypes=["float"]),
           SimpleNamespace(name="gloo:all_gather", input_shapes=[[4]], input_dtypes=["c10::BFloat16"]),
           SimpleNamespace(name="gloo:all_reduce", input_shapes=[[]], input_dtypes=["double"]),
+          SimpleNamespace(name="gloo:all_to_all", input_shapes=[[6]], input_dtypes=["float"]),
           SimpleNamespace(name="c10d::allreduce_", input_shapes=[[], []], input_dtypes=[]),
           SimpleNamespace(name="aten::add", input_shapes=[[3]], input_dtypes=["float"])]
     s = bench_metrics.summarize_collectives(ev, world_size=2)
-    assert s["count"] == 3
+    assert s["count"] == 4
     assert s["by_op"]["all_reduce"] == {"count": 2, "bytes": 48}
-    assert s["bytes_reduced"] == 48 and s["bytes_gathered"] == 16
+    # graphzero's reduce-scatter on gloo is an all-to-all: a reduction
+    assert s["bytes_reduced"] == 48 + 24 and s["reductions"] == 3 and s["bytes_gathered"] == 16
 
 
 def test_storage_bytes_dedupes_views_and_excludes():

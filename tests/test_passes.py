@@ -7,6 +7,7 @@ into one sink per group, and drop every owned gradient from the outputs.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
@@ -45,7 +46,8 @@ def targets(gm: fx.GraphModule, op) -> list[fx.Node]:
 
 def test_pipeline_order_is_declared_once():
     assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter",
-                                              "fp32_accumulate", "fold_norm", "schedule_overlap"]
+                                              "fp32_accumulate", "fold_norm", "schedule_overlap",
+                                              "lower_reduce_scatter"]
 
 
 def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():
@@ -67,8 +69,58 @@ def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():
     assert ctx.stats[ps]["fp32_accumulate"] == 3 and ctx.stats[ps]["reduce_scatter"] == 3
 
 
-def test_gloo_uses_all_reduce_and_keeps_only_this_ranks_chunk():
+def test_gloo_reduce_scatters_by_all_to_all_and_sums_this_ranks_rows():
+    # gloo's own reduce-scatter is an all-reduce underneath: "auto" sends each peer only its chunk
+    gm, ctx, ps = build(bucket_size=10**9, backend="gloo")
+    gm = run_pipeline(gm, ctx)
+    c10d = torch.ops._c10d_functional
+    assert not targets(gm, c10d.reduce_scatter_tensor.default) and not targets(gm, c10d.all_reduce.default)
+    (a2a,) = targets(gm, c10d.all_to_all_single.default)
+    assert a2a.args[0].meta["val"].numel() == 40 and a2a.args[1:] == ([20, 20], [20, 20], "7")
+    (wait,) = a2a.users
+    (rows,) = wait.users
+    (total,) = rows.users
+    assert rows.args[1] == [2, 20] and total.target is torch.ops.aten.sum.dim_IntList and total.args[1] == [0]
+    assert tuple(total.meta["val"].shape) == (20,)
+    assert ctx.stats[ps]["reduce_scatter"] == 1   # still one reduce-scatter, however it is sent
+
+
+def test_the_lowered_reduce_scatter_sums_each_ranks_chunk():
+    # The lowered nodes on a world of 2 simulated by hand: rank r's output = sum over senders of
+    # their chunk r; run the graph with the all-to-all replaced by what the peers would send.
+    gm, ctx, ps = build(bucket_size=10**9, backend="gloo")
+    gm = run_pipeline(gm, ctx)
+    c10d = torch.ops._c10d_functional
+    (a2a,) = targets(gm, c10d.all_to_all_single.default)
+    peer = torch.randn(40)        # the other rank's bucket input
+    a2a.target = lambda x, out_splits, in_splits, group: torch.cat([peer[20:], x[20:]])   # rank 1 receives chunk 1
+    for wait in targets(gm, c10d.wait_tensor.default):
+        wait.target = lambda x: x
+    gm.recompile()
+    grads = [torch.randn(s) for s in SHAPES]
+    sink = torch.zeros(20)
+    runtime = {"sink": sink, "scale": torch.tensor(1.0)}
+    gm(*grads, *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    flat = torch.zeros(NUMEL)
+    for g, offset in zip(grads, OFFSETS):
+        flat[offset:offset + g.numel()] = g.reshape(-1)
+    torch.testing.assert_close(sink, flat[20:] + peer[20:])
+
+
+@pytest.mark.parametrize("collective, backend, lowered", [
+    ("reduce_scatter", "gloo", False), ("all_to_all", "nccl", True), ("auto", "nccl", False)])
+def test_the_collective_option_decides_the_lowering(collective, backend, lowered):
+    gm, ctx, _ = build(bucket_size=16, backend=backend)
+    ctx.collective = collective
+    gm = run_pipeline(gm, ctx)
+    c10d = torch.ops._c10d_functional
+    assert len(targets(gm, c10d.all_to_all_single.default)) == (3 if lowered else 0)
+    assert len(targets(gm, c10d.reduce_scatter_tensor.default)) == (0 if lowered else 3)
+
+
+def test_all_reduce_keeps_only_this_ranks_chunk():
     gm, ctx, _ = build(bucket_size=10**9, backend="gloo")
+    ctx.collective = "all_reduce"
     gm = run_pipeline(gm, ctx)
     ar = targets(gm, torch.ops._c10d_functional.all_reduce.default)
     assert len(ar) == 1 and ar[0].args[0].meta["val"].numel() == 40

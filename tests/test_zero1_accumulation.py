@@ -49,8 +49,8 @@ STEPS = 3
 
 
 class Collectives:
-    """Gradient collectives (all-reduce / reduce-scatter) that ran inside the block, counted from
-    the profiler's gloo events: what the compiled graphs (or DeepSpeed) really launched, whatever
+    """Gradient collectives (all-reduce / reduce-scatter / all-to-all, graphzero's reduce-scatter on
+    gloo) that ran inside the block, counted from the profiler's gloo events: what the compiled graphs (or DeepSpeed) really launched, whatever
     op called them. The one-int64 plan exchange of rank_agreement is an all-gather, not counted;
     the folded norm's all-reduce after a boundary backward (norm_fold.py: one fp32 per param group,
     a few elements) is counted apart, in ``norms``."""
@@ -64,7 +64,7 @@ class Collectives:
         self._prof.__exit__(*exc)
         self.names = sorted({e.name for e in self._prof.events() if e.name.startswith("gloo:")})
         reductions = [e for e in self._prof.events() if e.name.startswith("gloo:")
-                      and ("all_reduce" in e.name or "reduce_scatter" in e.name)]
+                      and any(op in e.name for op in ("all_reduce", "reduce_scatter", "all_to_all"))]
         self.norms = sum(1 for e in reductions if _numel(e) <= 4)
         self.count = len(reductions) - self.norms
 

@@ -205,8 +205,9 @@ class GraphZeroDeferredRunner(GraphZeroRunner):
 
 
 class GraphZeroReduceScatterRunner(GraphZeroRunner):
-    """graphzero-inductor with ``collective="reduce_scatter"`` (the NCCL choice; on gloo "auto" picks
-    all-reduce + slice, which measured cheaper there): the bytes-on-the-wire floor."""
+    """graphzero-inductor with ``collective="reduce_scatter"``, the backend's own (the NCCL choice;
+    on gloo "auto" sends an all-to-all instead, as gloo's reduce-scatter is an all-reduce
+    underneath)."""
 
     name = "graphzero-rs"
     step_options: ClassVar[dict[str, Any]] = {"collective": "reduce_scatter"}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import graphzero
+from graphzero.options import COLLECTIVES
 
 CONFIG = {"train_micro_batch_size_per_gpu": 64, "gradient_clipping": 1.0, "steps_per_print": 10**9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("what", choices=["phases", "profile", "compile"])
     parser.add_argument("--mode", choices=["plain", "attach", "options"], default="attach",
                         help="compile: plain inductor, graphzero after graphzero.attach(), or engines in options")
-    parser.add_argument("--collective", default="auto", choices=["auto", "reduce_scatter", "all_reduce"])
+    parser.add_argument("--collective", default="auto", choices=COLLECTIVES)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage of both engines")
     args = parser.parse_args()

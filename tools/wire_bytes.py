@@ -9,7 +9,7 @@ For each (model, stage) it runs ``graphzero-compare`` with the runners ``graphze
 ``ds-engine-backward`` and ``ddp`` for one measured round on 2 gloo ranks. graphzero's row is
 counted from its traced graphs (the dump summary: each collective it inserted and its input bytes;
 gloo itself runs a reduce-scatter as an all-reduce, so its profiler events would not show the
-NCCL choice) plus the lean step's all-gather of the updated parameters (ZeRO-1/2); the folded
+NCCL choice; graphzero's gloo default, an all-to-all, sends what this row's wire column says) plus the lean step's all-gather of the updated parameters (ZeRO-1/2); the folded
 norm's all-reduce (4 bytes per param group) and the rank-agreement exchange (8 bytes) are left
 out. DeepSpeed's and DDP's rows are their collectives from the torch.profiler events of that round
 (bench_metrics.summarize_collectives). DeepCompile runs on CUDA only, so its ZeRO-1/2
