@@ -56,14 +56,15 @@ NOTES = [
      "(DeepSpeed: the ZeRO optimizer's tensors, fp32 master partitions included in optim; torch: p.grad "
      "and optimizer.state). Tensors held only inside C++ (e.g. DDP's reducer beyond the bucket views) "
      "are not seen."),
-    ("peak RSS: the process's high-water mark during this runner's timed steps (reset before each step "
-     "via /proc/self/clear_refs, after malloc_trim); it includes every other runner's resident memory "
-     "in the same process. +step: that peak minus the RSS at the step's start. With CUDA the JSON also "
+    ("peak RSS: the process's high-water mark during this runner's memory round, one untimed step "
+     "between the measurement round and the timed ones (reset via /proc/self/clear_refs after "
+     "malloc_trim; the timed steps are not trimmed, as no training loop is); it includes every other "
+     "runner's resident memory in the same process. +step: that peak minus the RSS at the step's start. With CUDA the JSON also "
      "has peak_device_mib (torch.cuda.max_memory_allocated over the timed steps)."),
     ("collectives/step and reduced/step: from torch.profiler over the measurement round, counting the "
      "process-group backend's events (gloo:* / nccl:*), which eager, DeepSpeed, DDP, FSDP2 and compiled "
      "(_c10d_functional) collectives all reach; reduced = input bytes of all_reduce / reduce_scatter / "
-     "reduce. Collectives that bypass the process group (e.g. DeepSpeed's shm ops) are not counted."),
+     "reduce / all_to_all (graphzero's reduce-scatter on gloo). Collectives that bypass the process group (e.g. DeepSpeed's shm ops) are not counted."),
     ("gathered peak fwd / bwd (ZeRO-3 only): the most bytes of gathered (unsharded) parameters held at "
      "once on a rank in the forward / the backward. (m) measured in the measurement step: before "
      "every aten op, the distinct storages of the parameters held in full (DeepSpeed ZeRO-3: "
@@ -73,7 +74,7 @@ NOTES = [
      "derived, not measured (inductor may free buffers earlier). Full parameter bytes per rank are "
      "in the title."),
     ("reduced/step (reductions): bytes into, and the number of, all_reduce / reduce_scatter / reduce "
-     "collectives in the measurement step, i.e. per optimizer step (gas micro-batches included). "
+     "/ all_to_all collectives in the measurement step, i.e. per optimizer step (gas micro-batches included). "
      "safety net (graphzero only): gradients that eager autograd accumulated into an engine's parameter "
      "(ZeRO-3: shard) in the measurement step, each one call of graphzero's eager safety net (0 when "
      "every gradient goes through the compiled graphs)."),

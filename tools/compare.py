@@ -9,7 +9,7 @@ processes, and report step time, compile time, memory, collectives and parameter
 Without a launcher it starts itself on ``--world-size`` ranks (``torch.multiprocessing.spawn``),
 gloo on CPU (``DS_ACCELERATOR=cpu``), nccl with CUDA. Rounds: ``--warmup`` untimed rounds (the
 first includes compilation), one measurement round (profiler: collectives; live tensors: memory),
-then ``--steps`` timed rounds. In each round every live runner does one optimizer step (``--gas``
+one memory round (peak RSS after a malloc_trim), then ``--steps`` timed rounds. In each round every live runner does one optimizer step (``--gas``
 micro-batches) on the same data, in an order rotated by one each round; a barrier precedes each
 timed step, and the step time is the slowest rank's. After every runner step all ranks agree on
 failure (an all-reduce on a separate gloo group), so a runner that raises is reported failed with
