@@ -165,9 +165,13 @@ def test_failing_runner_is_reported(tmp_path):
     """The GAN calls the discriminator engine twice in one loss: DeepSpeed eager with a plain
     loss.backward() raises KeyError: 0 in engine.step(); it is reported, the others continue."""
     proc = _compare(tmp_path, "--model", "gan", "--steps", "1", "--runners", "ddp,ds-plain-backward",
-                    "--json", "gan.json")
+                    "--json", "gan.json", "--malloc", "retain")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runners = json.loads((tmp_path / "gan.json").read_text())["runners"]
+    result = json.loads((tmp_path / "gan.json").read_text())
+    # (the allocator policy rides along: glibc took it, and the report says so)
+    assert result["workload"]["malloc"] == "retain" and "mallopt refused" not in proc.stderr
+    assert "malloc: retain" in proc.stdout
+    runners = result["runners"]
     bad = runners["ds-plain-backward"]
     assert bad["status"] == "failed" and bad["error"].startswith("KeyError"), bad["error"]
     assert bad["failed_at"].startswith("step 0") and bad["step_ms"] is None

@@ -56,6 +56,20 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def retain_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS: a trim threshold
+    above any step's transient memory and the largest mmap threshold (32 MiB), both fixed (no
+    dynamic adjustment). By default glibc gives back a freed multi-MiB buffer, and a step that
+    allocates it again page-faults in every page; jemalloc and tcmalloc (what PyTorch's CPU launcher
+    ``torch.backends.xeon.run_cpu`` preloads) keep such memory. True when glibc took both."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20))
+
+
 def storage_key(t: torch.Tensor) -> tuple | None:
     try:
         ptr = t.untyped_storage().data_ptr()

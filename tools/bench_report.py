@@ -183,7 +183,8 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
                      "parts": workload.numel(), "param_bytes": _param_bytes(workload, args.dtype), "stage": args.stage, "dtype": args.dtype, "gas": args.gas,
                      "world_size": world, "backend": backend, "device": device.type,
                      "threads_per_rank": threads, "warmup": args.warmup, "steps": args.steps,
-                     "rounds": args.warmup + 1 + args.steps, "seed": args.seed, "lr": args.lr},
+                     "rounds": args.warmup + 2 + args.steps, "seed": args.seed, "lr": args.lr,
+                     "malloc": getattr(args, "malloc", "default")},
         "reference": ref_name,
         "tolerance": tol,
         "notes": NOTES,
@@ -270,7 +271,8 @@ def format_table(result: dict[str, Any]) -> str:
     params = f", parameters {_bytes(w['param_bytes'])} in full" if w.get("param_bytes") else ""
     title = (f"graphzero-compare: {w['model']} ({w['description']}), ZeRO-{w['stage']}, {w['dtype']}, "
              f"gas {w['gas']}, {w['world_size']} ranks {w['backend']}/{w['device']}, "
-             f"{w['steps']} timed steps after {w['warmup']} warm-up + 1 measurement{params}")
+             f"{w['steps']} timed steps after {w['warmup']} warm-up + 1 measurement + 1 memory round{params}"
+             + (", malloc: retain" if w.get("malloc") == "retain" else ""))
     lines = [title, tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)]
     if failures:
         lines += ["", "not run / failed:"] + failures

@@ -26,6 +26,7 @@ from .bench_metrics import (
     dynamo_counts,
     hwm_bytes,
     malloc_trim,
+    retain_freed_memory,
     memory_bytes,
     param_diff,
     reset_hwm,
@@ -127,6 +128,8 @@ def worker(args: argparse.Namespace) -> None:
     _TRACEBACKS = args.verbose
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads)
+    if args.malloc == "retain" and not retain_freed_memory():
+        log.warning("--malloc retain: glibc's mallopt refused; running with the default allocator policy")
 
     import torch.distributed as dist
 

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process-group timeout in seconds: bounds a collective that a failed rank never joins")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: CPU count // ranks per node)")
+    p.add_argument("--malloc", choices=("default", "retain"), default="default",
+                   help="CPU memory allocator policy of every rank (all runners alike): 'default' is glibc's, "
+                        "which returns freed multi-MiB buffers to the OS so each step page-faults them in "
+                        "again; 'retain' makes glibc keep them for reuse, as jemalloc/tcmalloc do")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="bar chart of step time and memory (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
