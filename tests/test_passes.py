@@ -7,6 +7,8 @@ into one sink per group, and drop every owned gradient from the outputs.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import fx
@@ -70,30 +72,36 @@ def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():
 
 
 def test_gloo_reduce_scatters_by_all_to_all_and_sums_this_ranks_rows():
-    # gloo's own reduce-scatter is an all-reduce underneath: "auto" sends each peer only its chunk
+    # gloo's own reduce-scatter is an all-reduce underneath: "auto" sends each peer only its chunk.
+    # Rank 1 of 2 is an edge rank: it sends the bucket without its own chunk and adds that locally.
     gm, ctx, ps = build(bucket_size=10**9, backend="gloo")
     gm = run_pipeline(gm, ctx)
     c10d = torch.ops._c10d_functional
     assert not targets(gm, c10d.reduce_scatter_tensor.default) and not targets(gm, c10d.all_reduce.default)
     (a2a,) = targets(gm, c10d.all_to_all_single.default)
-    assert a2a.args[0].meta["val"].numel() == 40 and a2a.args[1:] == ([20, 20], [20, 20], "7")
+    send = a2a.args[0]
+    assert send.target is torch.ops.aten.slice.Tensor and send.args[2:] == (0, 20)     # chunk 0: for rank 0
+    assert a2a.args[1:] == ([20, 0], [20, 0], "7")
     (wait,) = a2a.users
     (rows,) = wait.users
     (total,) = rows.users
-    assert rows.args[1] == [2, 20] and total.target is torch.ops.aten.sum.dim_IntList and total.args[1] == [0]
-    assert tuple(total.meta["val"].shape) == (20,)
+    assert rows.args[1] == [1, 20] and total.target is torch.ops.aten.sum.dim_IntList and total.args[1] == [0]
+    (plus,) = total.users
+    own = plus.args[1]
+    assert own.args[0] is send.args[0] and own.args[2:] == (20, 40)                    # chunk 1 stays here
+    assert tuple(plus.meta["val"].shape) == (20,)
     assert ctx.stats[ps]["reduce_scatter"] == 1   # still one reduce-scatter, however it is sent
 
 
 def test_the_lowered_reduce_scatter_sums_each_ranks_chunk():
-    # The lowered nodes on a world of 2 simulated by hand: rank r's output = sum over senders of
-    # their chunk r; run the graph with the all-to-all replaced by what the peers would send.
+    # The lowered nodes run with the all-to-all replaced by what the peer would send: rank 1's
+    # shard = its own chunk 1 + rank 0's chunk 1.
     gm, ctx, ps = build(bucket_size=10**9, backend="gloo")
     gm = run_pipeline(gm, ctx)
     c10d = torch.ops._c10d_functional
     (a2a,) = targets(gm, c10d.all_to_all_single.default)
     peer = torch.randn(40)        # the other rank's bucket input
-    a2a.target = lambda x, out_splits, in_splits, group: torch.cat([peer[20:], x[20:]])   # rank 1 receives chunk 1
+    a2a.target = lambda x, out_splits, in_splits, group: peer[20:].clone()
     for wait in targets(gm, c10d.wait_tensor.default):
         wait.target = lambda x: x
     gm.recompile()
@@ -105,6 +113,26 @@ def test_the_lowered_reduce_scatter_sums_each_ranks_chunk():
     for g, offset in zip(grads, OFFSETS):
         flat[offset:offset + g.numel()] = g.reshape(-1)
     torch.testing.assert_close(sink, flat[20:] + peer[20:])
+
+
+def test_a_middle_rank_sends_the_whole_bucket():
+    # Rank 1 of 3: its own chunk lies inside the bucket, so every chunk goes through the all-to-all.
+    from graphzero.passes import lower_reduce_scatter
+
+    fake = FakeTensorMode()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with fake:
+        x.meta["val"] = torch.empty(12)
+    c10d = torch.ops._c10d_functional
+    rs = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 3, "7"))
+    wait = graph.call_function(c10d.wait_tensor.default, (rs,))
+    graph.output((wait,))
+    ctx = PassContext(SimpleNamespace(param_sets=[SimpleNamespace(group_name="7", rank=1, backend="gloo")]), fake)
+    gm = lower_reduce_scatter(fx.GraphModule(torch.nn.Module(), graph), ctx)
+    (a2a,) = targets(gm, c10d.all_to_all_single.default)
+    assert a2a.args == (x, [4, 4, 4], [4, 4, 4], "7")
+    assert not targets(gm, torch.ops.aten.add.Tensor)
 
 
 @pytest.mark.parametrize("collective, backend, lowered", [
