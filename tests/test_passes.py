@@ -96,7 +96,7 @@ def test_gloo_reduce_scatters_by_all_to_all_and_sums_this_ranks_rows():
 def test_the_lowered_reduce_scatter_sums_each_ranks_chunk():
     # The lowered nodes run with the all-to-all replaced by what the peer would send: rank 1's
     # shard = its own chunk 1 + rank 0's chunk 1.
-    gm, ctx, ps = build(bucket_size=10**9, backend="gloo")
+    gm, ctx, _ = build(bucket_size=10**9, backend="gloo")
     gm = run_pipeline(gm, ctx)
     c10d = torch.ops._c10d_functional
     (a2a,) = targets(gm, c10d.all_to_all_single.default)

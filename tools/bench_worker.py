@@ -26,10 +26,10 @@ from .bench_metrics import (
     dynamo_counts,
     hwm_bytes,
     malloc_trim,
-    retain_freed_memory,
     memory_bytes,
     param_diff,
     reset_hwm,
+    retain_freed_memory,
     rss_bytes,
     summarize_collectives,
 )
