@@ -53,6 +53,8 @@ ALL_OFF = {inductor_config.REORDER: False, inductor_config.REORDER_PASSES: [],
 
 # a functional collective or its wait, as inductor's Python wrapper calls it
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)")
+_VIEW_OFFSET = re.compile(r"(reinterpret_tensor\(\w+, \([^)]*\), \([^)]*\)), \d+\)")
+_SPLITS = re.compile(r"\[(\d+(?:, \d+)*)\]")
 
 
 def _available(patch: dict) -> dict:
@@ -66,13 +68,21 @@ def _config_value(name: str):
     return owner
 
 
+def _rank_neutral(args: str) -> str:
+    """A call's arguments without what may differ by rank: on gloo an edge rank's all-to-all leaves
+    its own chunk out (lower_reduce_scatter), so its input is another slice of the same buffer (the
+    view's offset) and its split sizes another arrangement of the same total."""
+    args = _VIEW_OFFSET.sub(r"\1)", args)
+    return _SPLITS.sub(lambda m: f"[{sum(int(v) for v in m.group(1).split(','))}]", args)
+
+
 def _calls(code: str) -> list[str]:
     """Every functional collective and wait in one generated module, in program order."""
     out = []
     for line in code.splitlines():
         m = _CALL.search(line)
         if m:
-            out.append(f"{m.group(1)}({m.group(2)})")
+            out.append(f"{m.group(1)}({_rank_neutral(m.group(2))})")
     return out
 
 
