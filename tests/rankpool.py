@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 WORLD_SIZE = 2
+RENDEZVOUS_S = 300  # seconds for every rank to reach the process-group rendezvous
 
 
 def _free_port() -> int:
@@ -30,6 +31,13 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) ->
     import torch
     torch.set_num_threads(1)
     import deepspeed
+    import torch.distributed as dist
+    # The rendezvous gets its own, generous timeout: a pool with a short process-group timeout (one
+    # that waits for a failed peer) must not fail because one rank imported DeepSpeed more slowly.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=max(pg_timeout_s, RENDEZVOUS_S)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
     while True:
         msg = conn.recv()
@@ -50,7 +58,6 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float) ->
                 # A scenario that fails on purpose (ranks that disagree) can leave ZeRO-1 window sums
                 # pending on one rank only; the next scenario's first backward would flush them there alone.
                 sys.modules["graphzero.local_accumulation"]._WITH_PENDING.clear()
-    import torch.distributed as dist
     dist.destroy_process_group()
 
 
