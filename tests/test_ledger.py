@@ -253,7 +253,7 @@ def _family_engines(family: str):
     model = mlp(8, 16, 4, depth=3).to(dtype)
     twin = copy.deepcopy(model)
     eng, ref = engine(model, cfg), engine(twin, cfg)
-    from graphzero.deepspeed_adapter.base import _optimizer_kind
+    from graphzero.deepspeed_adapter.ds_internals import _optimizer_kind
     assert _optimizer_kind(eng) == kind, (family, type(eng.optimizer).__name__)
     return eng, ref, dtype
 

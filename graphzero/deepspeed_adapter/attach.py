@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from ..errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
 from ..ownership import check_same_world
-from .base import DeepSpeedBinding, _optimizer_kind, binding_of, ds_attr
+from .base import DeepSpeedBinding, binding_of
 from .bf16 import BF16Binding
+from .ds_internals import _optimizer_kind, ds_attr
 from .zero3 import Zero3Binding, check_zero3_config
 from .zero12 import ZeroBinding
 

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .. import devices, local_accumulation, rank_agreement
-from ..errors import GraphZeroError, InstallError, InternalsError, NoGradientError, UnsupportedConfigError
+from ..errors import GraphZeroError, InstallError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup, ParamSet
+from .ds_internals import _deepspeed_version, _optimizer_kind, ds_attr
 from .ledger import PatchLedger
 
 log = logging.getLogger("graphzero")
@@ -50,43 +51,6 @@ def _identity(grad):
 def binding_of(obj: object) -> DeepSpeedBinding | None:
     """The binding attached to an engine or an owned parameter, if any."""
     return getattr(obj, _BINDING_ATTR, None)
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-    return str(deepspeed.__version__)
-
-
-def ds_attr(obj: object, attr: str):
-    """``getattr(obj, attr)`` for a DeepSpeed attribute graphzero checks: missing is an
-    `InternalsError` naming it and the installed DeepSpeed, never a default that switches a check off."""
-    try:
-        return getattr(obj, attr)
-    except AttributeError as exc:
-        if hasattr(type(obj), attr):   # a property that failed inside: not a missing attribute
-            raise
-        raise _missing(obj, attr) from exc
-
-
-def _missing(obj: object, attr: str) -> InternalsError:
-    """A DeepSpeed attribute graphzero relies on is gone (renamed in another DeepSpeed version):
-    say so rather than carry on as if the feature were off."""
-    return InternalsError(
-        f"{type(obj).__module__}.{type(obj).__qualname__} has no attribute {attr!r}, which graphzero reads "
-        f"(installed DeepSpeed {_deepspeed_version()}; graphzero is tested with the versions in graphzero/versions.py)")
-
-
-def _optimizer_kind(engine) -> str | None:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        return "zero3"
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
-        return "zero"
-    if isinstance(engine.optimizer, BF16_Optimizer):
-        return "bf16"
-    return None
 
 
 class DeepSpeedBinding:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 
-from .base import ds_attr
+from .ds_internals import ds_attr
 
 log = logging.getLogger("graphzero")
 

@@ -19,7 +19,8 @@ import torch
 
 from ..ownership import FlatGroup
 from . import lean_step
-from .base import DeepSpeedBinding, _deepspeed_version
+from .base import DeepSpeedBinding
+from .ds_internals import _deepspeed_version
 from .ledger import PatchLedger
 from .param_sync import ParamSync
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from . import zero3_module
-from .base import _BINDING_ATTR, DeepSpeedBinding, ds_attr
+from .base import _BINDING_ATTR, DeepSpeedBinding
+from .ds_internals import ds_attr
 from .ledger import PatchLedger
 from .zero3_param_gather import coalesced_all_gather
 
