@@ -17,7 +17,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, local_accumulation, rank_agreement, variants
+from . import deepspeed_adapter, early_attach, held_gradients, local_accumulation, rank_agreement, variants
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
@@ -109,12 +109,15 @@ class BackwardTransform:
         self.gathers = any(o.shard for o in ownership.inputs.values())
         self.forward_ctx: PassContext | None = None
 
-    def _context(self, example_inputs: Sequence[Any], local: variants.Modes | None = None) -> PassContext:
+    def _context(self, example_inputs: Sequence[Any], modes: variants.Modes | None = None) -> PassContext:
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+        modes = modes or {}
         return PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
-                           bucket_size=self.opts.bucket_size, local=dict(local or {}))
+                           bucket_size=self.opts.bucket_size,
+                           local={ps: m for ps, m in modes.items() if ps.held is None},
+                           held={ps: m for ps, m in modes.items() if ps.held is not None and m != "reduce"})
 
     def joint(self, gm: fx.GraphModule) -> None:
         """Before the partitioner splits the joint graph (ZeRO-3: gathers are recomputed, not saved)."""
@@ -133,8 +136,12 @@ class BackwardTransform:
             gm = run_pipeline(gm, self.forward_ctx, after_pass=self.dump.forward_stage, pipeline=FORWARD_PIPELINE)
         return gm
 
-    def wrap_forward(self, compiled):
-        """ZeRO-3: the ranks agree on the forward's gathers before running it."""
+    def wrap_forward(self, compiled, training: bool):
+        """ZeRO-3: the ranks agree on the forward's gathers before running it; a training forward
+        counts itself for the engines whose gradients it will produce (held_gradients.py)."""
+        held = [ps.held for ps in self.ownership.param_sets if ps.held is not None]
+        if training and held:
+            compiled = held_gradients.CountForwards(compiled, held)
         plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
             return compiled
@@ -143,9 +150,9 @@ class BackwardTransform:
         what = f"graph {self.graph_id} forward (engines {sorted({p[1] for p in plan})})"
         return rank_agreement.ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
 
-    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], local: variants.Modes | None = None,
+    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], modes: variants.Modes | None = None,
                   dump: GraphDump | None = None) -> tuple[fx.GraphModule, PassContext]:
-        ctx = self._context(example_inputs, local)
+        ctx = self._context(example_inputs, modes)
         dump = dump or self.dump
         dump.backward_stage("input", gm)
         if self.ownership.inputs:
@@ -160,20 +167,24 @@ class BackwardTransform:
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  compile_fn: Callable[[fx.GraphModule, list[Any], PassContext], Any]):
         """Transform and compile the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
-        compiler) and wrap it; a graph using ZeRO-1 engines with gradient accumulation gets one
-        variant per boundary state of those engines, compiled when first needed (variants.py)."""
+        compiler) and wrap it. A graph using ZeRO-1 engines with gradient accumulation gets one
+        variant per boundary state of those engines, a graph using ZeRO-3 engines one per held
+        state (held_gradients.py), each compiled when first needed (variants.py); the plain
+        ZeRO-3 variant is compiled now, as any other backward."""
         deferred = [ps for ps in self.ownership.param_sets if ps.local is not None and ps.defers_reduction()]
+        held = [ps for ps in self.ownership.param_sets if ps.held is not None]
 
-        def compile_variant(gm: fx.GraphModule, local: variants.Modes | None = None,
+        def compile_variant(gm: fx.GraphModule, modes: variants.Modes | None = None,
                             dump: GraphDump | None = None):
-            gm, ctx = self.transform(gm, example_inputs, local, dump)
+            gm, ctx = self.transform(gm, example_inputs, modes, dump)
             return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)
 
-        if not deferred:
+        if not deferred and not held:
             return compile_variant(gm)
         pristine = copy.deepcopy(gm)
-        return variants.BoundaryVariants(deferred, lambda modes: compile_variant(
-            copy.deepcopy(pristine), modes, self.dump.variant(variants.label(modes))))
+        compiled = {} if deferred else {("reduce",) * len(held): compile_variant(gm)}
+        return variants.BackwardVariants(deferred + held, lambda modes: compile_variant(
+            copy.deepcopy(pristine), modes, self.dump.variant(variants.label(modes))), compiled)
 
     def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -204,9 +215,14 @@ class BackwardWithRuntimeInputs:
                 self.param_sets.append(ps)
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
         self._scale_tensors: dict[tuple[float, torch.device], torch.Tensor] = {}
-        self.probe = AccumulationProbe({ps: [(g.owned.leaf if g.owned.leaf is not None else g.owned.param,
-                                              g.owned.qualname) for g in ctx.grads if g.owned.param_set is ps]
-                                        for ps in self.param_sets})
+        # ZeRO-3 engines another graph of this backward reaches: "hold" or "release" (held_gradients.py)
+        self.held = dict(ctx.held)
+        self.held_positions = {ps: [(o.group, o.position) for o in ctx.held_grads.get(ps, [])] for ps in self.held}
+        reached = {ps: [g.owned for g in ctx.grads if g.owned.param_set is ps]
+                   + (ctx.held_grads.get(ps, []) if self.held.get(ps) == "hold" else []) for ps in self.param_sets}
+        self.probe = AccumulationProbe({ps: [(o.leaf if o.leaf is not None else o.param, o.qualname) for o in owned]
+                                        for ps, owned in reached.items()})
+        self.sinks_needed = {ps for kind, ps, _ in self.runtime_inputs if kind == "sink"}
         self.what = f"graph {graph_id} (engines {[ps.name for ps in self.param_sets]})"
         # One exchange per data-parallel group (usually all engines share one).
         self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
@@ -233,7 +249,7 @@ class BackwardWithRuntimeInputs:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
                                  "call torch._dynamo.reset() or compile the step again")
         accumulating = self.probe.accumulating()
-        buffers, scales, local, norms, folds = {}, {}, {}, {}, {}
+        buffers, scales, local, norms, folds, held = {}, {}, {}, {}, {}, {}
         for ps in self.param_sets:
             mode = self.local.get(ps)
             if ps in self.norm_sets:
@@ -241,8 +257,10 @@ class BackwardWithRuntimeInputs:
                 fold = ps.norm if accumulating[ps] else None
                 norms[ps] = {None: (fold.buffer(ps.device) if fold is not None
                                     else torch.zeros(len(ps.groups), device=ps.device))}
+            if ps in self.held:
+                held[ps] = ps.held.buffers(ps.device) if accumulating[ps] else ps.held.scratch(ps.device)
             if accumulating[ps]:
-                if mode != "accumulate":
+                if mode != "accumulate" and ps in self.sinks_needed:
                     ps.mark_present(self.present[ps])
                     buffers[ps] = ps.sinks()
                     if ps in norms and ps.norm is not None:
@@ -257,7 +275,7 @@ class BackwardWithRuntimeInputs:
                 if mode is not None:
                     local[ps] = ps.local.scratch(ps.device)
             scales[ps] = ps.runtime_scale()
-        runtime = {"sink": buffers, "local": local, "norm": norms}
+        runtime = {"sink": buffers, "local": local, "norm": norms, "held": held}
         args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps], ps.device)
                     for kind, ps, g in self.runtime_inputs)
         for _, group in self.groups:
@@ -269,6 +287,15 @@ class BackwardWithRuntimeInputs:
         for ps, mode in self.local.items():
             if accumulating[ps]:
                 (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])
+        for ps in self.param_sets:
+            if ps.held is not None:
+                if accumulating[ps] and ps in self.held:
+                    if self.held[ps] == "hold":
+                        ps.held.held(self.held_positions[ps], scales[ps])
+                    else:
+                        ps.held.released(self.held_positions[ps])
+                # the counts start again, and whatever is still held is reduced, when this backward ends
+                ps.held.end_after_this_backward()
         # an engine at its boundary that this micro-step's graphs do not reach still holds its window
         local_accumulation.flush_after_this_backward()
         return out
@@ -280,7 +307,8 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):
             with torch._inductor.config.patch(inductor_patch(backward=False, overlap=t.opts.overlap, gathers=t.gathers)):
-                return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs))
+                return t.wrap_forward(compile_fx_inner(t.forward(graph), inputs, **kwargs),
+                                      training=not kwargs.get("is_inference", False))
 
         def compile_backward(graph: fx.GraphModule, inputs: list[Any], ctx: PassContext):
             # inductor_config says which of inductor's own comm passes run on graphzero's graphs, and why;
@@ -316,7 +344,10 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
     from torch._dynamo.backends.common import aot_autograd
 
     def fw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
-        return t.wrap_forward(make_boxed_func(t.forward(graph).forward))
+        return t.wrap_forward(make_boxed_func(t.forward(graph).forward), training=True)
+
+    def inference_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
+        return t.wrap_forward(make_boxed_func(t.forward(graph).forward), training=False)
 
     def bw_compiler(graph: fx.GraphModule, inputs: Sequence[Any]):
         return t.backward(graph, inputs, lambda graph, _inputs, _ctx: make_boxed_func(graph.forward))
@@ -331,7 +362,8 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Backwar
             return min_cut_rematerialization_partition(joint, joint_inputs, compiler="eager", **kw)
 
         kwargs["partition_fn"] = partition_fn
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, **kwargs)(gm, example_inputs)
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+                        **kwargs)(gm, example_inputs)
 
 
 # How early_attach recognises this backend without importing this module (no import circle).

@@ -101,6 +101,9 @@ class ParamSet:
     local: Any = None
     defers_reduction: Callable[[], bool] = lambda: False
     at_boundary: Callable[[], bool] = lambda: True
+    # ZeRO-3 (held_gradients.py): full gradients held for the last graph of a backward that reaches
+    # this engine, and the count of forwards awaiting their backward; a HeldGradients
+    held: Any = None
     # ZeRO-1/2 with graphzero's lean step, and ZeRO-3: a norm_fold.FoldedNorm (graphs compiled while
     # it is set fold the squared gradient norm into the backward); None: step() computes the norm itself
     norm: Any = None

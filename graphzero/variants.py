@@ -1,13 +1,19 @@
-"""One compiled backward per boundary state of a graph's ZeRO-1 engines with gradient accumulation.
+"""One compiled backward per mode of a graph's engines whose reduction depends on run time.
 
 Every rank runs the same graph, so a collective cannot be skipped at run time; instead the
-backward is compiled in variants (passes/local_accumulate.py): for a non-boundary micro-step of
-an engine, its gradients are added into a local buffer and nothing is reduced; at the boundary,
-the window's sum is reduced once. Which variant a backward needs is known only when it runs (the
-engine's micro-step counter advances in ``engine.step()``), so `BoundaryVariants` picks it per
-call and compiles each variant the first time it is needed (at most 2^k for k such engines in one
-graph; usually two: "accumulate" and "boundary"). The variant is part of each variant's collective
-plan, so ranks that disagree on the boundary raise a RankDisagreementError instead of hanging.
+backward is compiled in variants, and each call picks one:
+
+- ZeRO-1 with gradient accumulation (local_accumulation.py, passes/local_accumulate.py):
+  ``"accumulate"`` on a non-boundary micro-step (add into a local buffer, reduce nothing),
+  ``"flush"`` at the boundary (reduce the window's sum once); read from ``ps.at_boundary()``;
+- ZeRO-3 engines (held_gradients.py, passes/hold_shard_grads.py): ``"reduce"``, ``"hold"`` while
+  another graph of this backward will still reach the engine, ``"release"`` in the last one;
+  read from ``ps.held.backward_mode()``.
+
+Which variant a backward needs is known only when it runs, so `BackwardVariants` picks it per
+call and compiles each the first time it is needed (usually two or three per graph). The variant
+is part of each variant's collective plan, so ranks that disagree raise a RankDisagreementError
+instead of hanging.
 
 A lazily compiled variant runs under the tracing and compile contexts saved when AOT autograd
 compiled the backward, as AOT does for its own lazy backward compile.
@@ -25,31 +31,45 @@ Modes = dict[ParamSet, str]
 
 
 def label(modes: Modes) -> str:
-    """The variant's name in logs and dumps: "accumulate", "boundary", or "boundary-<engines>"
-    when only some engines are at their boundary."""
-    flushing = [ps.name for ps, mode in modes.items() if mode == "flush"]
-    if not flushing:
-        return "accumulate"
-    if len(flushing) == len(modes):
-        return "boundary"
-    return "boundary-" + "-".join(flushing)
+    """The variant's name in logs and dumps. ZeRO-1: "accumulate", "boundary", or
+    "boundary-<engines>" when only some engines are at their boundary; ZeRO-3 engines add
+    "hold-<engines>" / "release-<engines>"; "reduce" when nothing differs from the plain backward."""
+    local = {ps: m for ps, m in modes.items() if m in ("flush", "accumulate")}
+    parts = []
+    if local:
+        flushing = [ps.name for ps, mode in local.items() if mode == "flush"]
+        parts.append("accumulate" if not flushing else "boundary" if len(flushing) == len(local)
+                     else "boundary-" + "-".join(flushing))
+    for mode in ("hold", "release"):
+        names = [ps.name for ps, m in modes.items() if m == mode]
+        if names:
+            parts.append(mode + "-" + "-".join(names))
+    return "_".join(parts) or "reduce"
 
 
-class BoundaryVariants:
-    """A boxed backward that dispatches on ``ps.at_boundary()`` of each deferring engine."""
+def mode_of(ps: ParamSet) -> str:
+    """This backward's mode of an engine (called once per backward: ZeRO-3 counts it)."""
+    if ps.held is not None:
+        return ps.held.backward_mode()
+    return "flush" if ps.at_boundary() else "accumulate"
 
-    def __init__(self, deferred: Sequence[ParamSet], compile_variant: Callable[[Modes], Callable]) -> None:
+
+class BackwardVariants:
+    """A boxed backward that dispatches on `mode_of` each of its varying engines."""
+
+    def __init__(self, varying: Sequence[ParamSet], compile_variant: Callable[[Modes], Callable],
+                 compiled: dict[tuple[str, ...], Callable] | None = None) -> None:
         self._boxed_call = True   # in the instance dict: dynamo's disable() wrapper copies __dict__
-        self.deferred = list(deferred)
+        self.varying = list(varying)
         self._compile_variant = compile_variant
-        self.compiled: dict[tuple[bool, ...], Callable] = {}
+        self.compiled: dict[tuple[str, ...], Callable] = dict(compiled or {})
         self._tracing = torch._guards.TracingContext.try_get()
         self._compile = torch._guards.CompileContext.try_get()
 
-    def modes(self, key: tuple[bool, ...]) -> Modes:
-        return {ps: "flush" if boundary else "accumulate" for ps, boundary in zip(self.deferred, key)}
+    def modes(self, key: tuple[str, ...]) -> Modes:
+        return dict(zip(self.varying, key))
 
-    def variant(self, key: tuple[bool, ...]) -> Callable:
+    def variant(self, key: tuple[str, ...]) -> Callable:
         fn = self.compiled.get(key)
         if fn is None:
             with torch._guards.tracing(self._tracing), torch._guards.compile_context(self._compile):
@@ -57,5 +77,4 @@ class BoundaryVariants:
         return fn
 
     def __call__(self, args: list[Any]) -> Any:
-        key = tuple(bool(ps.at_boundary()) for ps in self.deferred)
-        return self.variant(key)(args)
+        return self.variant(tuple(mode_of(ps) for ps in self.varying))(args)

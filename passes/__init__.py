@@ -20,11 +20,13 @@ from .bucket_shard_grads import bucket_shard_grads
 from .fold_norm import fold_norm
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
+from .hold_shard_grads import hold_shard_grads
 from .local_accumulate import local_accumulate
 from .lower_reduce_scatter import lower_reduce_scatter
 from .reduce_scatter import insert_reduce_scatter
 from .release import release
 from .schedule import schedule_overlap
+from .sum_shard_grads import sum_shard_grads
 from .wait_params import wait_params
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -45,9 +47,12 @@ JOINT_PIPELINE: tuple[Pass, ...] = (release,)
 # schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph);
 # bucket_gathers_forward needs the waits at first use, in first-use order (schedule_gathers).
 FORWARD_PIPELINE: tuple[Pass, ...] = (wait_params, schedule_gathers_forward, bucket_gathers_forward)
-# ZeRO-3 backward: the recomputed gathers are scheduled and bucketed like the forward ones, then the
-# shard gradients' reduce-scatters are bucketed, all before annotate_owner reads the outputs.
-ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, bucket_shard_grads)
+# ZeRO-3 backward: the recomputed gathers are scheduled and bucketed like the forward ones; then a
+# parameter's gradients in this graph are summed into one reduce-scatter (sum_shard_grads), held
+# for or summed with those of other graphs of the same backward (hold_shard_grads, only in the
+# variants that need it) and bucketed (bucket_shard_grads), all before annotate_owner reads the outputs.
+ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, sum_shard_grads,
+                                    hold_shard_grads, bucket_shard_grads)
 
 
 def backward_pipeline(gathers: bool) -> tuple[Pass, ...]:
@@ -82,6 +87,7 @@ __all__ = [
     "bucket_shard_grads",
     "fold_norm",
     "fp32_accumulate",
+    "hold_shard_grads",
     "insert_reduce_scatter",
     "local_accumulate",
     "lower_reduce_scatter",
@@ -90,5 +96,6 @@ __all__ = [
     "schedule_gathers_backward",
     "schedule_gathers_forward",
     "schedule_overlap",
+    "sum_shard_grads",
     "wait_params",
 ]

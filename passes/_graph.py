@@ -16,6 +16,9 @@ from torch.utils._pytree import tree_map
 
 from ..ownership import OwnedInput, Ownership, ParamSet
 
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
 
 @dataclasses.dataclass
 class GradOutput:
@@ -62,6 +65,12 @@ class PassContext:
     # non-boundary micro-step: add into the local buffer, no collective) or "flush" (the boundary:
     # reduce local buffer + gradient). Engines not listed reduce every micro-step.
     local: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
+    # ZeRO-3 engines reached by another graph of the same backward (held_gradients.py), in the
+    # variant being compiled: "hold" (add full gradients into the held buffer, reduce nothing) or
+    # "release" (reduce gradient + held). Engines not listed reduce as usual.
+    held: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
+    # per held engine, the owned inputs whose gradients hold_shard_grads held or released
+    held_grads: dict[ParamSet, list[OwnedInput]] = dataclasses.field(default_factory=dict)
     # per ParamSet (by identity: two engines may share a name): counters the dump reports
     stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
     # ZeRO-3 collectives in graph order, one entry per parameter all-gather ("fwd"/"bwd") or shard
@@ -82,7 +91,8 @@ class PassContext:
         # The variant is part of the plan: ranks that disagree on the boundary raise, not hang.
         return [(b.param_set.name, b.group, b.lo, b.hi, str(b.param_set.comm_dtype), self.collective)
                 for b in self.buckets] + list(self.zero3_plan) + [
-                    ("local", ps.name, mode) for ps, mode in self.local.items()]
+                    ("local", ps.name, mode) for ps, mode in self.local.items()] + [
+                    ("held", ps.name, mode) for ps, mode in self.held.items()]
 
     def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
         self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount
@@ -148,6 +158,45 @@ def append_placeholder(gm: fx.GraphModule, ctx: PassContext, pass_name: str, nam
     node.meta["graphzero"] = {"pass": pass_name, "engine": ps.name, "why": why}
     ctx.runtime_inputs.append((kind, ps, g))
     return node
+
+
+def shard_grad_reductions(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx.Node, object]]:
+    """(reduce_scatter, wait, owned input) of every ZeRO-3 shard gradient among the outputs, in
+    graph order of the reduce-scatters."""
+    out = output_node(gm)
+    descs = out.meta.get("desc") or ()
+    found = []
+    for value, desc in zip(out.args[0], descs):
+        idx = getattr(getattr(desc, "grad_of", None), "idx", None)
+        owned = ctx.ownership.inputs.get(idx) if idx is not None else None
+        if owned is None or not owned.shard or not isinstance(value, fx.Node):
+            continue
+        if value.target is not c10d.wait_tensor.default or len(value.users) != 1:
+            continue
+        rs = value.args[0]
+        if rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1:
+            found.append((rs, value, owned))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found, key=lambda t: order[t[0]])
+
+
+_HOISTABLE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
+            aten.clone.default, torch.ops.prims.convert_element_type.default}
+
+
+def hoist(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Move ``node`` (and the single-use views/pads feeding it) up to just after its inputs: AOT
+    places the gathers' reduce-scatters and their flattening views at the end of the backward,
+    which would keep every full-size gradient alive until then."""
+    for a in node.all_input_nodes:
+        if a.op == "call_function" and a.target in _HOISTABLE and len(a.users) == 1:
+            hoist(gm, a)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = node.all_input_nodes
+    if inputs:
+        latest = max(inputs, key=order.__getitem__)
+        if latest.op != "placeholder" and order[latest] + 1 < order[node]:
+            latest.append(node)
 
 
 def last_in_order(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.Node:

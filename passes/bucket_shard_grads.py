@@ -1,9 +1,8 @@
 """bucket_shard_grads: one reduce-scatter per bucket of ZeRO-3 shard gradients instead of one each.
 
-Runs on the backward graph before annotate_owner. First, a parameter gathered several times
-(an engine called twice in the step) has its full gradients summed and reduce-scattered once
-(``_sum_before_reduce``). Each ZeRO-3 shard's gradient arrives from the
-gather's backward as ``reduce_scatter_tensor(padded full gradient)`` -> ``wait_tensor`` -> graph
+Runs on the backward graph before annotate_owner, after sum_shard_grads (one reduce-scatter per
+parameter) and hold_shard_grads (gradients another graph will reduce are gone). Each ZeRO-3
+shard's gradient arrives from the gather's backward as ``reduce_scatter_tensor(padded full gradient)`` -> ``wait_tensor`` -> graph
 output. Walking those reduce-scatters in graph order (the order backward produces gradients), it
 groups consecutive ones of one engine (same process group, dtype) into buckets of at most the
 engine's ``reduce_bucket_size`` elements (graphzero's ``bucket_size`` option overrides it), and
@@ -24,91 +23,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ._graph import Inserter, PassContext, last_in_order, output_node
+from ._graph import Inserter, PassContext, hoist, last_in_order, shard_grad_reductions
 
 PASS = "bucket_shard_grads"
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
-
-
-def _is_lone_reduce(node: object) -> bool:
-    """``wait_tensor(reduce_scatter_tensor(x))`` with no other user of either."""
-    if not isinstance(node, fx.Node) or node.target is not c10d.wait_tensor.default or len(node.users) != 1:
-        return False
-    rs = node.args[0]
-    return rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1
-
-
-def _sum_before_reduce(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """A parameter gathered more than once in the graph (an engine called twice: a GAN's
-    discriminator) gets one reduce-scatter per gather, and autograd adds the reduced shards. The
-    reduce-scatter is linear, so reduce the sum instead: one reduce-scatter of the summed full
-    gradient, as DeepSpeed reduces the accumulated ``.grad`` once (bytes per step = DeepSpeed's).
-    ``add(wait(rs(a)), wait(rs(b)))`` becomes ``wait(rs(a + b))``, repeated for three or more calls."""
-    changed = True
-    while changed:
-        changed = False
-        for node in list(gm.graph.nodes):
-            if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
-                continue
-            a, b = node.args
-            if not (_is_lone_reduce(a) and _is_lone_reduce(b)) or a is b:
-                continue
-            rs_a, rs_b = a.args[0], b.args[0]
-            x, y = rs_a.args[0], rs_b.args[0]
-            if rs_a.args[1:] != rs_b.args[1:] or x.meta["val"].shape != y.meta["val"].shape \
-                    or x.meta["val"].dtype != y.meta["val"].dtype:
-                continue
-            engine = node.meta.get("graphzero", {}).get("engine", "")
-            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, y]))
-            total = ins.call(aten.add.Tensor, (x, y), engine=engine,
-                             why="sum a parameter's full gradients over its calls, then reduce-scatter once")
-            rs = ins.call(c10d.reduce_scatter_tensor.default, (total, *rs_a.args[1:]), engine=engine,
-                          why="one reduce-scatter of the summed gradient")
-            wait = ins.call(c10d.wait_tensor.default, (rs,), engine=engine, why="wait for it")
-            node.replace_all_uses_with(wait)
-            for dead in (node, a, b, rs_a, rs_b):
-                gm.graph.erase_node(dead)
-            changed = True
-
-
-def _shard_grads(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx.Node, object]]:
-    """(reduce_scatter, wait, owned input) of every ZeRO-3 shard gradient among the outputs, in
-    graph order of the reduce-scatters."""
-    out = output_node(gm)
-    descs = out.meta.get("desc") or ()
-    found = []
-    for value, desc in zip(out.args[0], descs):
-        idx = getattr(getattr(desc, "grad_of", None), "idx", None)
-        owned = ctx.ownership.inputs.get(idx) if idx is not None else None
-        if owned is None or not owned.shard or not isinstance(value, fx.Node):
-            continue
-        if value.target is not c10d.wait_tensor.default or len(value.users) != 1:
-            continue
-        rs = value.args[0]
-        if rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1:
-            found.append((rs, value, owned))
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(found, key=lambda t: order[t[0]])
-
-
-_MOVABLE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
-            aten.clone.default, torch.ops.prims.convert_element_type.default}
-
-
-def _hoist(gm: fx.GraphModule, node: fx.Node) -> None:
-    """Move ``node`` (and the single-use views/pads feeding it) up to just after its inputs: AOT
-    places the gathers' reduce-scatters and their flattening views at the end of the backward,
-    which would keep every full-size gradient alive until then."""
-    for a in node.all_input_nodes:
-        if a.op == "call_function" and a.target in _MOVABLE and len(a.users) == 1:
-            _hoist(gm, a)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    inputs = node.all_input_nodes
-    if inputs:
-        latest = max(inputs, key=order.__getitem__)
-        if latest.op != "placeholder" and order[latest] + 1 < order[node]:
-            latest.append(node)
 
 
 def _plan(ctx: PassContext, grads: list) -> list[list]:
@@ -155,13 +74,12 @@ def _merge(gm: fx.GraphModule, ctx: PassContext, b: int, bucket: list) -> fx.Nod
 
 
 def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    _sum_before_reduce(gm, ctx)
-    grads = _shard_grads(gm, ctx)
+    grads = shard_grad_reductions(gm, ctx)
     if not grads:
         return gm
     for rs, _, _ in grads:
-        _hoist(gm, rs)
-    grads = _shard_grads(gm, ctx)   # in the new order
+        hoist(gm, rs)
+    grads = shard_grad_reductions(gm, ctx)   # in the new order
     previous_tail: list[fx.Node] = []   # the previous bucket's wait and slices
     for b, bucket in enumerate(_plan(ctx, grads)):
         ps = bucket[0][2].param_set

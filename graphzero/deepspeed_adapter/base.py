@@ -275,6 +275,8 @@ class DeepSpeedBinding:
             self.param_set.norm.forget()
         if self.param_set.local is not None:
             self.param_set.local.clear()
+        if self.param_set.held is not None:
+            self.param_set.held.clear()
         self.received_gradient = False
 
     @torch.no_grad()

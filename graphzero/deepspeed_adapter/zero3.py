@@ -29,17 +29,22 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 
 import torch
 import torch.distributed as dist
 
+from .. import rank_agreement
 from ..errors import UnsupportedConfigError
+from ..held_gradients import HeldGradients
 from ..ownership import FlatGroup
 from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
 from .zero3_param_gather import coalesced_all_gather
+
+log = logging.getLogger("graphzero")
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _PARAM_COLLECTIVES = ("all_gather_coalesced", "partition")
@@ -127,6 +132,9 @@ class Zero3Binding(DeepSpeedBinding):
         # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
         ps.reuse_distance = max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
                                 int(self.engine.zero_prefetch_bucket_size()))
+        # the padded full gradients the gathers' backward produces are in the parameters' dtype
+        dtype = ps.groups[0].params[0].dtype if ps.groups and ps.groups[0].params else ps.comm_dtype
+        ps.held = HeldGradients(ps.groups, ps.world_size, dtype, flush=self._flush_held)
         return ps
 
     def frozen_shards(self) -> dict[int, tuple[str, bool]]:
@@ -244,6 +252,29 @@ class Zero3Binding(DeepSpeedBinding):
             if hasattr(p, "ds_tensor") and dist.get_process_group_ranks(p.ds_process_group) != ranks:
                 raise UnsupportedConfigError(f"engine {self.name!r}: parameter {n!r} is partitioned over other "
                                              "ranks than the optimizer's data-parallel group")
+
+    @torch.no_grad()
+    def _flush_held(self) -> None:
+        """When a backward ends: reduce the full gradients still held (held_gradients.py) into the
+        shards, one reduce-scatter per parameter. Only when a graph held for a backward that never
+        came: a forward whose output was dropped, or graphs that reach different parameters."""
+        ps, held = self.param_set, self.param_set.held
+        pending = sorted(held.pending)
+        log.info("engine %r: %d parameter gradient(s) held for a later graph of this backward were reduced when "
+                 "it ended (a forward reaching the engine whose backward did not run?)", self.name, len(pending))
+        what = f"engine {self.name!r}: gradients held past the end of a backward"
+        rank_agreement.agree(rank_agreement.fingerprint(("held-flush", self.name, pending)), ps.process_group, what)
+        bufs, sinks = held.buffers(ps.device), self._backward_sinks()
+        for g, k in pending:
+            group = ps.groups[g]
+            a, b = held.full_range(g, k)
+            shard = torch.empty(group.shard_numel_of(k), dtype=bufs[g].dtype, device=ps.device)
+            with rank_agreement.collective_failures(what):
+                dist.reduce_scatter_tensor(shard, bufs[g][a:b], group=ps.process_group)
+            start = group.offsets[k]
+            sinks[g][start:start + shard.numel()].add_(shard.to(sinks[g].dtype), alpha=held.scale)
+        self.mark_present([ps.groups[g].params[k] for g, k in pending])
+        held.released(pending)
 
     # -- safety net -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,137 @@
+"""ZeRO-3: an engine reached by several compiled graphs of one backward reduces each parameter's
+summed gradient once, as eager autograd sums a leaf's gradients before DeepSpeed's hook reduces it.
+
+Within one graph, bucket_shard_grads already sums a parameter's gradients over its calls and
+reduce-scatters once. A graph break between two calls of an engine (``D(G(z))``, a break,
+``D(real)``) gives two graphs, each with its own backward and its own reduce-scatter: twice the
+bytes DeepSpeed sends. So the backward of such a graph is compiled in variants (variants.py,
+passes/hold_shard_grads.py), one per mode of each ZeRO-3 engine in it:
+
+- ``"reduce"``: as before (the only variant a graph ever needs when no other graph of the same
+  backward reaches its engines);
+- ``"hold"``: another graph of this backward will still reach the engine, so each padded full
+  gradient is added into this engine's held buffer instead of being reduce-scattered;
+- ``"release"``: this is the last graph of the backward that reaches the engine, and gradients are
+  held: each one it reduces is ``gradient + held``, so it is reduced once, with every contribution.
+
+Which graph is the last is counted at run time: every training forward of a graph reaching the
+engine adds one, every backward takes one; a backward that leaves the count above zero holds.
+Every rank runs the same graphs in the same order, so every rank counts the same (and the variant
+is part of the collective plan the ranks compare before reducing). A count can be wrong only in a
+way that costs time, never gradients: a forward whose backward never runs (an output dropped)
+makes a later backward hold, and whatever is still held when a backward ends is reduced by the
+adapter's eager ``flush`` (then every count starts again from zero).
+
+Memory: the held buffer is the engine's full padded size, for the span of one backward. Eager
+autograd holds the same: a leaf's first gradient waits in the autograd engine's input buffer until
+the last one arrives. Nothing here knows about DeepSpeed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .ownership import FlatGroup
+
+MODES = ("reduce", "hold", "release")
+
+
+class HeldGradients:
+    """Per ZeRO-3 engine: the count of forwards awaiting their backward, and the full-size gradient
+    sums held for the last graph of this backward (laid out as the concatenation of each parameter's
+    padded full gradient, i.e. ``world x`` the shard offsets)."""
+
+    def __init__(self, groups: tuple[FlatGroup, ...], world_size: int, dtype: torch.dtype,
+                 flush: Callable[[], None] = lambda: None) -> None:
+        self.groups = groups
+        self.world_size = world_size
+        self.dtype = dtype
+        # reduces every held sum into the shards (the adapter: collectives)
+        self.flush = flush
+        self.forwards = 0
+        self.pending: set[tuple[int, int]] = set()
+        self._buffers: list[torch.Tensor] | None = None
+        self._callback_queued = False
+        self.scale = 1.0
+
+    def full_range(self, g: int, k: int) -> tuple[int, int]:
+        """Parameter (g, k)'s padded full gradient within its group's held buffer."""
+        group = self.groups[g]
+        start = self.world_size * group.offsets[k]
+        return start, start + self.world_size * group.shard_numel_of(k)
+
+    # -- counting (forward: +1, backward: -1) ----------------------------------------------------
+    def forward_ran(self) -> None:
+        self.forwards += 1
+
+    def backward_mode(self) -> str:
+        """Called once per backward of a graph reaching this engine, before it runs."""
+        self.forwards = max(self.forwards - 1, 0)
+        if self.forwards > 0:
+            return "hold"
+        return "release" if self.pending else "reduce"
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def buffers(self, device: torch.device) -> list[torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
+        return self._buffers
+
+    def scratch(self, device: torch.device) -> list[torch.Tensor]:
+        """Zeroed buffers shaped like buffers(), for a backward whose result must not be kept."""
+        return [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
+
+    def held(self, positions: Iterable[tuple[int, int]], scale: float) -> None:
+        """A backward added these parameters' gradients; the graph that reduces them would have
+        scaled them by ``scale`` (the eager flush uses it)."""
+        self.pending.update(positions)
+        self.scale = scale
+
+    @torch.no_grad()
+    def released(self, positions: Iterable[tuple[int, int]]) -> None:
+        """These parameters' held sums were reduced: they start again from zero."""
+        positions = set(positions) & self.pending
+        self.pending -= positions
+        if self._buffers is None:
+            return
+        if not self.pending:
+            self._buffers = None   # give the memory back until a backward holds again
+            return
+        for g, k in positions:
+            a, b = self.full_range(g, k)
+            self._buffers[g][a:b].zero_()
+
+    def clear(self) -> None:
+        """Forget everything held (``zero_grad``, detach). The count stays: the forwards ran."""
+        self.pending.clear()
+        self._buffers = None
+
+    # -- end of a backward -----------------------------------------------------------------------
+    def end_after_this_backward(self) -> None:
+        """Queue `_end` to run when the current autograd backward finishes (once per backward)."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        self._callback_queued = False
+        self.forwards = 0
+        if self.pending:
+            self.flush()
+
+
+class CountForwards:
+    """A compiled training forward that counts itself for each ZeRO-3 engine it reaches."""
+
+    def __init__(self, compiled, held: list[HeldGradients]) -> None:
+        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
+        self._boxed_call = True
+        self.compiled = compiled
+        self.held = held
+
+    def __call__(self, args: list) -> object:
+        out = self.compiled(args)
+        for h in self.held:
+            h.forward_ran()
+        return out

@@ -1,0 +1,90 @@
+"""hold_shard_grads: ZeRO-3 gradients of an engine that another graph of this backward still
+reaches are held, and the last such graph reduces each parameter's sum once.
+
+Runs after sum_shard_grads (one reduce-scatter per parameter in this graph) and before
+bucket_shard_grads, only in the variants that need it (``ctx.held``, held_gradients.py). Per
+engine and param group it appends one placeholder for the engine's held buffer (kind ``"held"``:
+the concatenation of each parameter's padded full gradient, ``world x`` its shard offsets), then
+for each of the engine's shard gradients ``wait(reduce_scatter(x))``:
+
+- ``"hold"``: ``slice(held) + x`` -> ``aten.copy_`` into that slice, right after ``x``; the
+  reduce-scatter, its wait and the graph output go (None: no shard is written, nothing is
+  reduced here);
+- ``"release"``: the reduce-scatter reads ``x + slice(held)`` instead of ``x``: one reduction of
+  every contribution of this backward. The runtime zeroes the released slices after the call.
+
+Records the owned inputs it held or released in ``ctx.held_grads`` and the count as ``held`` /
+``released`` per engine for the dump.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ._graph import (
+    Inserter,
+    PassContext,
+    append_placeholder,
+    drop_outputs,
+    hoist,
+    output_node,
+    shard_grad_reductions,
+)
+
+PASS = "hold_shard_grads"
+aten = torch.ops.aten
+convert = torch.ops.prims.convert_element_type.default
+
+
+def _held_slice(ins: Inserter, ps, buf: fx.Node, owned) -> fx.Node:
+    a, b = ps.held.full_range(owned.group, owned.position)
+    return ins.call(aten.slice.Tensor, (buf, 0, a, b), engine=ps.name,
+                    why=f"{owned.qualname}'s gradient held from earlier graphs of this backward")
+
+
+def _as(ins: Inserter, x: fx.Node, dtype: torch.dtype, ps, why: str) -> fx.Node:
+    return x if x.meta["val"].dtype == dtype else ins.call(convert, (x, dtype), engine=ps.name, why=why)
+
+
+def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not ctx.held:
+        return gm
+    reductions = shard_grad_reductions(gm, ctx)
+    out = output_node(gm)
+    dropped: list[tuple[fx.Node, fx.Node]] = []   # (reduce-scatter, wait) of held gradients
+    for ps, mode in ctx.held.items():
+        mine = [(rs, wait, owned) for rs, wait, owned in reductions if owned.param_set is ps]
+        if not mine:
+            continue
+        device = mine[0][0].args[0].meta["val"].device
+        bufs = {}
+        for g in sorted({owned.group for _, _, owned in mine}):
+            with ctx.fake_mode:
+                val = torch.empty((ps.groups[g].numel,), dtype=ps.held.dtype, device=device)
+            bufs[g] = append_placeholder(gm, ctx, PASS, f"graphzero_held_{ps.name}_{g}", val, "held", ps, g,
+                                         f"{ps.held.dtype} full gradients held for the last graph of this backward")
+        for rs, wait, owned in mine:
+            x = rs.args[0]
+            hoist(gm, x)
+            ins = Inserter(gm, ctx, PASS, after=x if x.op != "placeholder" else bufs[owned.group])
+            held = _held_slice(ins, ps, bufs[owned.group], owned)
+            if mode == "hold":
+                total = ins.call(aten.add.Tensor, (held, _as(ins, x, ps.held.dtype, ps, "in the held dtype")),
+                                 engine=ps.name, why=f"hold {owned.qualname}'s gradient: another graph reduces it")
+                ins.call(aten.copy_.default, (held, total), engine=ps.name, why="write the held sum")
+                dropped.append((rs, wait))
+            else:
+                total = ins.call(aten.add.Tensor, (x, _as(ins, held, x.meta["val"].dtype, ps, "in the gradient's dtype")),
+                                 engine=ps.name, why=f"{owned.qualname}'s gradient of every graph of this backward")
+                rs.replace_input_with(x, total)
+            ctx.count(ps, "held" if mode == "hold" else "released")
+            ctx.held_grads.setdefault(ps, []).append(owned)
+    if dropped:
+        values = list(out.args[0])
+        drop_outputs(gm, [values.index(wait) for _, wait in dropped])
+        for rs, wait in dropped:
+            gm.graph.erase_node(wait)
+            gm.graph.erase_node(rs)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,61 @@
+"""sum_shard_grads: a ZeRO-3 parameter used several times in one graph is reduce-scattered once.
+
+Runs on the backward graph first among the shard-gradient passes. A parameter gathered more than
+once in the graph (an engine called twice: a GAN's discriminator) gets one reduce-scatter per
+gather, and autograd adds the reduced shards. The reduce-scatter is linear, so reduce the sum
+instead: one reduce-scatter of the summed full gradient, as DeepSpeed reduces the accumulated
+``.grad`` once (bytes per step = DeepSpeed's).
+
+  ``add(wait(rs(a)), wait(rs(b)))`` -> ``wait(rs(a + b))``, repeated for three or more calls.
+
+Calls in different graphs of one backward are summed by hold_shard_grads instead.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ._graph import Inserter, PassContext, last_in_order
+
+PASS = "sum_shard_grads"
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _is_lone_reduce(node: object) -> bool:
+    """``wait_tensor(reduce_scatter_tensor(x))`` with no other user of either."""
+    if not isinstance(node, fx.Node) or node.target is not c10d.wait_tensor.default or len(node.users) != 1:
+        return False
+    rs = node.args[0]
+    return rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1
+
+
+def sum_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    changed = True
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+                continue
+            a, b = node.args
+            if not (_is_lone_reduce(a) and _is_lone_reduce(b)) or a is b:
+                continue
+            rs_a, rs_b = a.args[0], b.args[0]
+            x, y = rs_a.args[0], rs_b.args[0]
+            if rs_a.args[1:] != rs_b.args[1:] or x.meta["val"].shape != y.meta["val"].shape \
+                    or x.meta["val"].dtype != y.meta["val"].dtype:
+                continue
+            engine = node.meta.get("graphzero", {}).get("engine", "")
+            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, y]))
+            total = ins.call(aten.add.Tensor, (x, y), engine=engine,
+                             why="sum a parameter's full gradients over its calls, then reduce-scatter once")
+            rs = ins.call(c10d.reduce_scatter_tensor.default, (total, *rs_a.args[1:]), engine=engine,
+                          why="one reduce-scatter of the summed gradient")
+            wait = ins.call(c10d.wait_tensor.default, (rs,), engine=engine, why="wait for it")
+            node.replace_all_uses_with(wait)
+            for dead in (node, a, b, rs_a, rs_b):
+                gm.graph.erase_node(dead)
+            changed = True
+    gm.graph.lint()
+    gm.recompile()
+    return gm
