@@ -10,6 +10,7 @@ module...), and ``make_batch(gen)`` draws one micro-batch from a ``torch.Generat
 | ------------ | ------------------- | -------------------------------------------------------------- |
 | mlp          | a, b                | ``mse(b(a(x)), y)``: each part called once                     |
 | gan          | gen, disc           | ``-disc(gen(z)).mean() + disc(real).mean()``: disc called twice |
+| gan-break    | gen, disc           | the same, with a Dynamo graph break between the two disc calls  |
 | chain3       | a, b, c             | ``mse(c(b(a(x))), y)``                                         |
 | transformer  | body, head          | ``cross_entropy(head(body(tokens)), next tokens)``             |
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("mlp", "gan", "chain3", "transformer")
+MODELS = ("mlp", "gan", "gan-break", "chain3", "transformer")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ SIZE_FIELDS = tuple(f.name for f in fields(ModelSize))
 DEFAULT_SIZES: dict[str, ModelSize] = {
     "mlp": ModelSize(width=512, depth=6, batch=64),
     "gan": ModelSize(width=512, depth=6, batch=64),
+    "gan-break": ModelSize(width=512, depth=6, batch=64),
     "chain3": ModelSize(width=512, depth=4, batch=64),
     "transformer": ModelSize(width=256, depth=2, batch=8, seq=64, vocab=1024, heads=4),
 }
@@ -59,6 +61,7 @@ DEFAULT_SIZES: dict[str, ModelSize] = {
 TINY_SIZES: dict[str, ModelSize] = {
     "mlp": ModelSize(width=32, depth=2, batch=4),
     "gan": ModelSize(width=32, depth=2, batch=4),
+    "gan-break": ModelSize(width=32, depth=2, batch=4),
     "chain3": ModelSize(width=32, depth=2, batch=4),
     "transformer": ModelSize(width=32, depth=1, batch=2, seq=8, vocab=64, heads=2),
 }
@@ -72,8 +75,8 @@ def resolve_size(model: str, tiny: bool = False, **overrides: int | None) -> Mod
     size = replace(size, **{k: v for k, v in overrides.items() if v is not None})
     if min(size.width, size.depth, size.batch, size.seq, size.vocab, size.heads) < 1:
         raise ValueError(f"sizes must be positive: {size}")
-    if model == "gan" and size.depth < 2:
-        raise ValueError("gan needs depth >= 2")
+    if model in ("gan", "gan-break") and size.depth < 2:
+        raise ValueError(f"{model} needs depth >= 2")
     if model == "transformer" and size.width % size.heads:
         raise ValueError(f"transformer width {size.width} is not divisible by heads {size.heads}")
     return size
@@ -172,6 +175,13 @@ def loss_gan(m, z, real):
     return -m["disc"](m["gen"](z)).float().mean() + m["disc"](real).float().mean()
 
 
+def loss_gan_break(m, z, real):
+    # two compiled graphs reach disc (a compiled runner's backward reduces it in both, or holds)
+    fake = -m["disc"](m["gen"](z)).float().mean()
+    torch._dynamo.graph_break()
+    return fake + m["disc"](real).float().mean()
+
+
 def loss_transformer(m, idx, targets):
     logits = m["head"](m["body"](idx)).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -193,12 +203,14 @@ def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
         parts = {k: mlp_stack(w, size.depth) for k in ("a", "b", "c")}
         return Workload(model, size, parts, loss_chain3, gaussian_pair,
                         f"3 parts x {size.depth} x (Linear({w},{w})+GELU), loss mse(c(b(a(x))), y)")
-    if model == "gan":
+    if model in ("gan", "gan-break"):
         disc = nn.Sequential(*mlp_stack(w, size.depth - 1), nn.Linear(w, 1))
         parts = {"gen": mlp_stack(w, size.depth), "disc": disc}
-        return Workload(model, size, parts, loss_gan, gaussian_pair,
+        broken = model == "gan-break"
+        return Workload(model, size, parts, loss_gan_break if broken else loss_gan, gaussian_pair,
                         f"gen {size.depth} x (Linear({w},{w})+GELU), disc {size.depth - 1} x (...) + "
-                        f"Linear({w},1), loss -disc(gen(z)).mean() + disc(real).mean()")
+                        f"Linear({w},1), loss -disc(gen(z)).mean() + {'<graph break> ' if broken else ''}"
+                        "disc(real).mean()")
     if model == "transformer":
         body, head = GPTBody(size), nn.Linear(w, size.vocab, bias=False)
         _init_small(body)
