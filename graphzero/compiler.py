@@ -17,7 +17,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, held_gradients, local_accumulation, rank_agreement, variants
+from . import deepspeed_adapter, early_attach, local_accumulation, pending_backwards, rank_agreement, variants
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
@@ -116,7 +116,7 @@ class BackwardTransform:
         modes = modes or {}
         return PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
                            bucket_size=self.opts.bucket_size,
-                           local={ps: m for ps, m in modes.items() if ps.held is None},
+                           local={ps: m for ps, m in modes.items() if ps.held is None and m != "reduce"},
                            held={ps: m for ps, m in modes.items() if ps.held is not None and m != "reduce"})
 
     def joint(self, gm: fx.GraphModule) -> None:
@@ -138,10 +138,9 @@ class BackwardTransform:
 
     def wrap_forward(self, compiled, training: bool):
         """ZeRO-3: the ranks agree on the forward's gathers before running it; a training forward
-        counts itself for the engines whose gradients it will produce (held_gradients.py)."""
-        held = [ps.held for ps in self.ownership.param_sets if ps.held is not None]
-        if training and held:
-            compiled = held_gradients.CountForwards(compiled, held)
+        counts itself for the engines whose gradients it will produce (pending_backwards.py)."""
+        if training and self.ownership.param_sets:
+            compiled = pending_backwards.CountForwards(compiled, [ps.backwards for ps in self.ownership.param_sets])
         plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
             return compiled
@@ -167,23 +166,23 @@ class BackwardTransform:
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  compile_fn: Callable[[fx.GraphModule, list[Any], PassContext], Any]):
         """Transform and compile the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
-        compiler) and wrap it. A graph using ZeRO-1 engines with gradient accumulation gets one
-        variant per boundary state of those engines, a graph using ZeRO-3 engines one per held
-        state (held_gradients.py), each compiled when first needed (variants.py); the plain
-        ZeRO-3 variant is compiled now, as any other backward."""
+        compiler) and wrap it: one variant per mode of its engines (variants.py: a ZeRO-1
+        accumulation window, gradients held for a later graph of the same backward), each compiled
+        when first needed; the plain one is compiled now, as any backward, unless a ZeRO-1 window
+        makes it unlikely to run."""
         deferred = [ps for ps in self.ownership.param_sets if ps.local is not None and ps.defers_reduction()]
-        held = [ps for ps in self.ownership.param_sets if ps.held is not None]
+        varying = [ps for ps in self.ownership.param_sets if ps.local is not None or ps.held is not None]
 
         def compile_variant(gm: fx.GraphModule, modes: variants.Modes | None = None,
                             dump: GraphDump | None = None):
             gm, ctx = self.transform(gm, example_inputs, modes, dump)
             return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)
 
-        if not deferred and not held:
+        if not varying:
             return compile_variant(gm)
         pristine = copy.deepcopy(gm)
-        compiled = {} if deferred else {("reduce",) * len(held): compile_variant(gm)}
-        return variants.BackwardVariants(deferred + held, lambda modes: compile_variant(
+        compiled = {} if deferred else {("reduce",) * len(varying): compile_variant(gm)}
+        return variants.BackwardVariants(varying, lambda modes: compile_variant(
             copy.deepcopy(pristine), modes, self.dump.variant(variants.label(modes))), compiled)
 
     def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
@@ -228,8 +227,8 @@ class BackwardWithRuntimeInputs:
         self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
         self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
         self.fault_timeout_s = fault_timeout_s
-        # ZeRO-1 engines with gradient accumulation: which variant this is, and which parameters'
-        # local sums it adds to ("accumulate") or reduces ("flush")
+        # ZeRO-1/2 engines with a local sum (a gas window, or graphs of one backward): which variant
+        # this is, and which parameters' local sums it adds to ("accumulate") or reduces ("flush")
         self.local = dict(ctx.local)
         self.positions = {ps: [(g.owned.group, g.owned.position) for g in ctx.grads if g.owned.param_set is ps]
                           for ps in self.local}

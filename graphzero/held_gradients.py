@@ -14,13 +14,9 @@ passes/hold_shard_grads.py), one per mode of each ZeRO-3 engine in it:
 - ``"release"``: this is the last graph of the backward that reaches the engine, and gradients are
   held: each one it reduces is ``gradient + held``, so it is reduced once, with every contribution.
 
-Which graph is the last is counted at run time: every training forward of a graph reaching the
-engine adds one, every backward takes one; a backward that leaves the count above zero holds.
-Every rank runs the same graphs in the same order, so every rank counts the same (and the variant
-is part of the collective plan the ranks compare before reducing). A count can be wrong only in a
-way that costs time, never gradients: a forward whose backward never runs (an output dropped)
-makes a later backward hold, and whatever is still held when a backward ends is reduced by the
-adapter's eager ``flush`` (then every count starts again from zero).
+Which graph is the last is counted at run time (pending_backwards.py). Whatever is still held
+when a backward ends (a forward whose backward never ran made one hold) is reduced then by the
+adapter's eager ``flush``.
 
 Memory: the held buffer is the engine's full padded size, for the span of one backward. Eager
 autograd holds the same: a leaf's first gradient waits in the autograd engine's input buffer until
@@ -34,13 +30,11 @@ import torch
 
 from .ownership import FlatGroup
 
-MODES = ("reduce", "hold", "release")
-
 
 class HeldGradients:
-    """Per ZeRO-3 engine: the count of forwards awaiting their backward, and the full-size gradient
-    sums held for the last graph of this backward (laid out as the concatenation of each parameter's
-    padded full gradient, i.e. ``world x`` the shard offsets)."""
+    """Per ZeRO-3 engine: the full-size gradient sums held for the last graph of this backward
+    (laid out as the concatenation of each parameter's padded full gradient, i.e. ``world x`` the
+    shard offsets)."""
 
     def __init__(self, groups: tuple[FlatGroup, ...], world_size: int, dtype: torch.dtype,
                  flush: Callable[[], None] = lambda: None) -> None:
@@ -49,7 +43,6 @@ class HeldGradients:
         self.dtype = dtype
         # reduces every held sum into the shards (the adapter: collectives)
         self.flush = flush
-        self.forwards = 0
         self.pending: set[tuple[int, int]] = set()
         self._buffers: list[torch.Tensor] | None = None
         self._callback_queued = False
@@ -60,17 +53,6 @@ class HeldGradients:
         group = self.groups[g]
         start = self.world_size * group.offsets[k]
         return start, start + self.world_size * group.shard_numel_of(k)
-
-    # -- counting (forward: +1, backward: -1) ----------------------------------------------------
-    def forward_ran(self) -> None:
-        self.forwards += 1
-
-    def backward_mode(self) -> str:
-        """Called once per backward of a graph reaching this engine, before it runs."""
-        self.forwards = max(self.forwards - 1, 0)
-        if self.forwards > 0:
-            return "hold"
-        return "release" if self.pending else "reduce"
 
     # -- buffers ---------------------------------------------------------------------------------
     def buffers(self, device: torch.device) -> list[torch.Tensor]:
@@ -103,7 +85,7 @@ class HeldGradients:
             self._buffers[g][a:b].zero_()
 
     def clear(self) -> None:
-        """Forget everything held (``zero_grad``, detach). The count stays: the forwards ran."""
+        """Forget everything held (``zero_grad``, detach)."""
         self.pending.clear()
         self._buffers = None
 
@@ -116,22 +98,5 @@ class HeldGradients:
 
     def _end(self) -> None:
         self._callback_queued = False
-        self.forwards = 0
         if self.pending:
             self.flush()
-
-
-class CountForwards:
-    """A compiled training forward that counts itself for each ZeRO-3 engine it reaches."""
-
-    def __init__(self, compiled, held: list[HeldGradients]) -> None:
-        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
-        self._boxed_call = True
-        self.compiled = compiled
-        self.held = held
-
-    def __call__(self, args: list) -> object:
-        out = self.compiled(args)
-        for h in self.held:
-            h.forward_ran()
-        return out

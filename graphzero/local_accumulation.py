@@ -9,9 +9,16 @@ non-boundary micro-step its backward adds ``gradient x factor`` into this buffer
 reducing, and at the boundary it reduces ``buffer + gradient x factor`` and writes the shard the
 optimizer reads.
 
+The same buffer serves ZeRO-1 and ZeRO-2 engines that two graphs of one backward reach (a graph
+break between two calls of the engine): the backward of the graph that runs first adds into it,
+the last one reduces the sum, as DeepSpeed eager reduces the ``.grad`` autograd summed over both
+calls once (pending_backwards.py counts which backward is the last); whatever is still in it when
+a backward ends (``at_boundary``: always, but for a ZeRO-1 window) is reduced then.
+
 Memory: one full-size buffer (the flat group, in the accumulation dtype) per param group, held
 only during a window. DeepSpeed eager ZeRO-1 keeps a full-size ``.grad`` for the same window, and
-graphzero keeps no ``.grad`` for owned parameters, so for fp32 ZeRO-1 it costs the same. Nothing here
+graphzero keeps no ``.grad`` for owned parameters, so for fp32 ZeRO-1 it costs the same (between the graphs of one backward, eager
+autograd holds a full gradient of each parameter both reach in its input buffer). Nothing here
 knows about DeepSpeed: the adapter creates one per engine and says when a window ends.
 """
 from __future__ import annotations

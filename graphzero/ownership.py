@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .errors import WorldMismatchError
+from .pending_backwards import PendingBackwards
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,8 +94,8 @@ class ParamSet:
     # parameter whose backward use comes within it stays gathered from the forward (release.py);
     # 0: every parameter is gathered again in backward
     reuse_distance: int = 0
-    # ZeRO-1 (local_accumulation.py): the window's local gradient sum; None for engines that reduce
-    # every micro-step. defers_reduction() (read at compile time: gas > 1) says whether graphs
+    # ZeRO-1/2 (local_accumulation.py): the local gradient sum of a ZeRO-1 accumulation window, or of
+    # the graphs of one backward before the last one reaching the engine. defers_reduction() (read at compile time: gas > 1) says whether graphs
     # compiled now keep non-boundary micro-steps local; at_boundary() (read per backward) whether
     # this micro-step ends the accumulation window.
     # a local_accumulation.LocalAccumulator (not imported: it builds on this module's FlatGroup)
@@ -102,8 +103,10 @@ class ParamSet:
     defers_reduction: Callable[[], bool] = lambda: False
     at_boundary: Callable[[], bool] = lambda: True
     # ZeRO-3 (held_gradients.py): full gradients held for the last graph of a backward that reaches
-    # this engine, and the count of forwards awaiting their backward; a HeldGradients
+    # this engine; a HeldGradients
     held: Any = None
+    # training forwards reaching this engine whose backward has not run (pending_backwards.py)
+    backwards: PendingBackwards = dataclasses.field(default_factory=PendingBackwards)
     # ZeRO-1/2 with graphzero's lean step, and ZeRO-3: a norm_fold.FoldedNorm (graphs compiled while
     # it is set fold the squared gradient norm into the backward); None: step() computes the norm itself
     norm: Any = None

@@ -3,15 +3,18 @@
 Every rank runs the same graph, so a collective cannot be skipped at run time; instead the
 backward is compiled in variants, and each call picks one:
 
-- ZeRO-1 with gradient accumulation (local_accumulation.py, passes/local_accumulate.py):
-  ``"accumulate"`` on a non-boundary micro-step (add into a local buffer, reduce nothing),
-  ``"flush"`` at the boundary (reduce the window's sum once); read from ``ps.at_boundary()``;
-- ZeRO-3 engines (held_gradients.py, passes/hold_shard_grads.py): ``"reduce"``, ``"hold"`` while
-  another graph of this backward will still reach the engine, ``"release"`` in the last one;
-  read from ``ps.held.backward_mode()``.
+- ZeRO-1/2 (local_accumulation.py, passes/local_accumulate.py): ``"accumulate"`` (add into a
+  local buffer, reduce nothing) on a ZeRO-1 non-boundary micro-step (gas > 1) or while another
+  graph of this backward will still reach the engine; ``"flush"`` (reduce the local sum with this
+  graph's gradients) at the boundary or in that last graph; ``"reduce"`` otherwise;
+- ZeRO-3 (held_gradients.py, passes/hold_shard_grads.py): ``"hold"`` while another graph of this
+  backward will still reach the engine, ``"release"`` in the last one, ``"reduce"`` otherwise.
+
+Whether another graph follows is counted per engine (pending_backwards.py).
 
 Which variant a backward needs is known only when it runs, so `BackwardVariants` picks it per
-call and compiles each the first time it is needed (usually two or three per graph). The variant
+call and compiles each the first time it is needed (one for a graph no other graph of its
+backward shares an engine with and without gradient accumulation; two or three otherwise). The variant
 is part of each variant's collective plan, so ranks that disagree raise a RankDisagreementError
 instead of hanging.
 
@@ -48,10 +51,15 @@ def label(modes: Modes) -> str:
 
 
 def mode_of(ps: ParamSet) -> str:
-    """This backward's mode of an engine (called once per backward: ZeRO-3 counts it)."""
+    """This backward's mode of an engine (called once per backward of a graph reaching it: it counts)."""
+    follows = ps.backwards.backward_started()
     if ps.held is not None:
-        return ps.held.backward_mode()
-    return "flush" if ps.at_boundary() else "accumulate"
+        return "hold" if follows else "release" if ps.held.pending else "reduce"
+    if ps.local is None:
+        return "reduce"
+    if follows or not ps.at_boundary():
+        return "accumulate"
+    return "flush" if ps.local.pending or ps.defers_reduction() else "reduce"
 
 
 class BackwardVariants:

@@ -61,9 +61,9 @@ class PassContext:
     # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
     # the 0-d fp32 factor for this call
     runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
-    # ZeRO-1 engines with gradient accumulation, in the variant being compiled: "accumulate" (a
-    # non-boundary micro-step: add into the local buffer, no collective) or "flush" (the boundary:
-    # reduce local buffer + gradient). Engines not listed reduce every micro-step.
+    # ZeRO-1/2 engines with a local sum, in the variant being compiled: "accumulate" (a ZeRO-1
+    # non-boundary micro-step, or another graph of this backward follows: add into the local
+    # buffer, no collective) or "flush" (reduce local buffer + gradient). Engines not listed reduce.
     local: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
     # ZeRO-3 engines reached by another graph of the same backward (held_gradients.py), in the
     # variant being compiled: "hold" (add full gradients into the held buffer, reduce nothing) or

@@ -1,16 +1,18 @@
-"""local_accumulate: ZeRO-1 with gradient accumulation reduces once per optimizer step.
+"""local_accumulate: ZeRO-1 with gradient accumulation reduces once per optimizer step, and a
+ZeRO-1/2 engine reached by two graphs of one backward once per backward.
 
 DeepSpeed eager ZeRO-1 accumulates micro-step gradients locally and reduces only at the
 gradient-accumulation boundary. A compiled graph cannot skip a collective at run time (every rank
 runs the same graph), so the backend compiles one variant of the backward per boundary state of
-such engines (``ctx.local``: ParamSet -> mode) and this pass makes the difference. Per engine and
+such engines (``ctx.local``: ParamSet -> mode; also while another graph of the same backward
+will still reach the engine, graphzero/variants.py) and this pass makes the difference. Per engine and
 param group it appends one placeholder for the window's local full-size buffer (laid out like the
 flat group, accumulation dtype) and, per engine, one for the averaging factor; then:
 
-- ``"accumulate"`` (not a boundary): before the output, ``buffer + cat(gradient x factor, zeros
+- ``"accumulate"`` (not a boundary, or not the last graph): before the output, ``buffer + cat(gradient x factor, zeros
   where this graph has no gradient)`` -> ``aten.copy_`` into the buffer. The engine's buckets are
   dropped: no collective, no shard write.
-- ``"flush"`` (the boundary): right after each owned gradient, ``buffer slice + gradient x factor``
+- ``"flush"`` (the boundary, or the last graph): right after each owned gradient, ``buffer slice + gradient x factor``
   (flat, accumulation dtype) replaces that gradient for the passes after this one: its buckets
   reduce the window's sum, and fp32_accumulate adds it to the shard without scaling again. The
   runtime zeroes the flushed slices after the call.

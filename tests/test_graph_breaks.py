@@ -1,23 +1,29 @@
 """Graph breaks inside the step: each subgraph's backward reduces its own gradients into the right
 engine, exactly once (a double reduction would double the gradients; a missed one would leave
-them out), including an engine whose parameters are split across two graphs.
+them out), including an engine whose parameters are split across two graphs; and an engine that
+two graphs of one backward reach reduces each parameter's sum once, as DeepSpeed eager does (the
+graph whose backward runs first keeps its gradients local: pending_backwards.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from graphzero_tools.bench_metrics import summarize_collectives
 from scenario_utils import (
     ReductionCounter,
     Reference,
     assert_grads_close,
     assert_no_full_grads,
     assert_params_close,
+    check_gan_step,
     compiled_graph_count,
     data,
     ds_config,
     engine,
     full_grads,
+    gan_engines,
+    gan_loss,
     mlp,
     rank_world,
 )
@@ -77,3 +83,35 @@ def test_graph_breaks_between_and_inside_engines(ranks):
 
 def test_graph_breaks_eager_inner(ranks):
     ranks.run(graph_break_scenario, "eager")
+
+
+def two_graph_gan_loss(models, z, real):
+    """gan_loss with a graph break between the discriminator's two calls: two graphs reach it."""
+    fake_score = models["disc"](models["gen"](z)).mean()
+    torch._dynamo.graph_break()
+    return -fake_score + models["disc"](real).mean()
+
+
+def bytes_per_backward_scenario(stage: int, broken: bool) -> list:
+    """The GAN at ``stage`` over 3 steps, checked against the reference (gradients, norms); the
+    bytes each backward reduced (torch.profiler; reduce_scatter, so that a byte is a byte)."""
+    rank, world = rank_world()
+    engines, ref = gan_engines(stage)
+    step = torch.compile(two_graph_gan_loss if broken else gan_loss, backend="graphzero",
+                         options={"collective": "reduce_scatter"})
+    reduced = []
+    for t in range(3):
+        out = step(engines, *data(t, rank, (4, 8), (4, 8)))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            out.backward()
+        reduced.append(summarize_collectives(prof.events(), world)["bytes_reduced"])
+        check_gan_step(engines, ref, t)
+    return reduced
+
+
+def test_an_engine_in_two_graphs_reduces_once_per_step(ranks):
+    for stage in (1, 2):
+        one = ranks.run(bytes_per_backward_scenario, stage, False)[0]
+        two = ranks.run(bytes_per_backward_scenario, stage, True)[0]
+        # reduced in both graphs, the discriminator's bytes would count twice
+        assert two == one, (stage, one, two)

@@ -254,9 +254,8 @@ def chain_scenario() -> dict:
 
     def after_backward(*engs) -> None:
         assert_no_full_grads(*engs)
-        # how many parameters each ZeRO-1 engine holds locally, not reduced yet
-        pending.append(tuple(len(e._graphzero_binding.param_set.local.pending) for e in engs
-                             if e._graphzero_binding.param_set.local is not None))
+        # how many parameters each engine holds locally, not reduced yet
+        pending.append(tuple(len(e._graphzero_binding.param_set.local.pending) for e in engs))
 
     train_chain(engines, ref, frozen, side, gas=GAS, steps=STEPS, inner="inductor",
                 after_backward=after_backward, params_close=assert_params_close)
@@ -266,8 +265,9 @@ def chain_scenario() -> dict:
 
 def test_chain_mixed_zero1_gas4_and_zero2(ranks):
     pending = ranks.run(chain_scenario)[0]["pending"]
-    # student and head (4 parameters each) hold their window locally until the boundary reduces it
-    assert pending == ([(4, 4)] * (GAS - 1) + [(0, 0)]) * STEPS, pending
+    # student and head (ZeRO-1, 4 parameters each) hold their window locally until the boundary
+    # reduces it; proj (ZeRO-2) holds nothing after a backward
+    assert pending == ([(4, 0, 4)] * (GAS - 1) + [(0, 0, 0)]) * STEPS, pending
 
 
 def full_loss(model, x, y):

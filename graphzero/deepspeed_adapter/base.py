@@ -125,6 +125,11 @@ class DeepSpeedBinding:
                                         flush=self._flush_local, at_boundary=engine.is_gradient_accumulation_boundary)
             ps.defers_reduction = lambda: engine.gradient_accumulation_steps() > 1
             ps.at_boundary = engine.is_gradient_accumulation_boundary
+        elif ps.stage == 2:
+            # only the graphs of one backward before the last one reaching the engine keep their
+            # gradients local (pending_backwards.py); every backward's end reduces what is left
+            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local,
+                                        flush=self._flush_local)
         return ps
 
     def _received_local(self) -> None:
