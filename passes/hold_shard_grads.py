@@ -27,6 +27,7 @@ from ._graph import (
     append_placeholder,
     drop_outputs,
     hoist,
+    last_in_order,
     output_node,
     shard_grad_reductions,
 )
@@ -66,7 +67,7 @@ def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for rs, wait, owned in mine:
             x = rs.args[0]
             hoist(gm, x)
-            ins = Inserter(gm, ctx, PASS, after=x if x.op != "placeholder" else bufs[owned.group])
+            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, bufs[owned.group]]))
             held = _held_slice(ins, ps, bufs[owned.group], owned)
             if mode == "hold":
                 total = ins.call(aten.add.Tensor, (held, _as(ins, x, ps.held.dtype, ps, "in the held dtype")),

@@ -201,3 +201,73 @@ def test_local_accumulate_reduces_the_window_sum_at_the_boundary():
     muls = [n for n in targets(gm, torch.ops.aten.mul.Tensor) if n.meta["graphzero"]["pass"] == "fp32_accumulate"]
     assert muls == []
     assert ("local", "disc", "flush") in ctx.collective_plan
+
+
+# -- ZeRO-3: gradients held for the last graph of a backward (hold_shard_grads) ------------------
+SHARDS = [8, 3]   # two ZeRO-3 parameters' shard sizes on 2 ranks (the full gradients: 16, 6 elements)
+
+
+def build_zero3_backward():
+    """A ZeRO-3 backward as the gathers' backward leaves it: per parameter, its padded full
+    gradient -> reduce_scatter -> wait -> output (the shard's gradient)."""
+    from graphzero.held_gradients import HeldGradients
+    fake = FakeTensorMode()
+    shards = [torch.zeros(n, requires_grad=True) for n in SHARDS]
+    params = [torch.nn.Parameter(torch.empty(0)) for _ in SHARDS]
+    group = FlatGroup(tuple(params), ("w", "b"), (0, SHARDS[0]), 2 * sum(SHARDS), True, presharded=True,
+                      shard_sizes=tuple(SHARDS), full_numels=(15, 5))
+    ps = ParamSet(name="disc", stage=3, groups=(group,), process_group=None, group_name="7", world_size=2, rank=0,
+                  comm_dtype=torch.float32, accum_dtype=torch.float32, bucket_numel=10**9, grad_scale=0.5,
+                  backend="nccl", sinks=list, shard_inputs=lambda: {id(s): (0, k) for k, s in enumerate(shards)})
+    ps.held = HeldGradients(ps.groups, 2, torch.float32)
+    c10d = torch.ops._c10d_functional
+    graph = fx.Graph()
+    outs = []
+    fulls = [graph.placeholder(f"full_grad_{k}") for k in range(len(SHARDS))]
+    for full, n in zip(fulls, SHARDS):
+        rs = graph.call_function(c10d.reduce_scatter_tensor.default, (full, "sum", 2, "7"))
+        wait = graph.call_function(c10d.wait_tensor.default, (rs,))
+        with fake:
+            full.meta["val"] = torch.empty(2 * n)
+            rs.meta["val"] = wait.meta["val"] = torch.empty(n)
+        outs.append(wait)
+    out = graph.output(tuple(outs))
+    out.meta["desc"] = [GradAOTOutput(grad_of=PlainAOTInput(idx=k)) for k in range(len(SHARDS))]
+    ctx = PassContext(Ownership.build(shards, [ps]), fake)
+    return fx.GraphModule(torch.nn.Module(), graph), ctx, ps
+
+
+def test_hold_keeps_full_gradients_for_the_last_graph_and_reduces_nothing():
+    from graphzero.passes import hold_shard_grads
+    gm, ctx, ps = build_zero3_backward()
+    ctx.held[ps] = "hold"
+    gm = hold_shard_grads(gm, ctx)
+    assert not targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    assert [kind for kind, _, _ in ctx.runtime_inputs] == ["held"]
+    fulls = [torch.randn(2 * n) for n in SHARDS]
+    held = torch.ones(2 * sum(SHARDS))
+    assert gm(*fulls, held) == (None, None)
+    # parameter k's padded full gradient at world x its shard offset
+    torch.testing.assert_close(held, 1 + torch.cat(fulls))
+    assert [o.position for o in ctx.held_grads[ps]] == [0, 1] and ctx.stats[ps]["held"] == 2
+    assert ("held", "disc", "hold") in ctx.collective_plan
+
+
+def test_release_reduces_each_gradient_plus_what_was_held():
+    from graphzero.passes import hold_shard_grads
+    gm, ctx, ps = build_zero3_backward()
+    ctx.held[ps] = "release"
+    gm = hold_shard_grads(gm, ctx)
+    held = next(n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("graphzero_held_disc"))
+    for k, rs in enumerate(targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)):
+        total = rs.args[0]
+        assert total.target is torch.ops.aten.add.Tensor, total
+        x, piece = total.args
+        assert x.name == f"full_grad_{k}" and piece.args[0] is held, total.args
+        start = 2 * (0, SHARDS[0])[k]
+        assert piece.args[2:] == (start, start + 2 * SHARDS[k]), piece.args
+    assert all(v is not None for v in output_values(gm))
+
+
+def output_values(gm: fx.GraphModule) -> list:
+    return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
