@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tools/profile_step.py phases    # forward/backward/step ms, graphzero vs DDP
     torchrun --standalone --nproc-per-node 2 tools/profile_step.py profile   # torch.profiler table (rank 0)
+    torchrun --standalone --nproc-per-node 2 tools/profile_step.py runtime   # graphzero's host-side costs, per rank
     TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \\
         torchrun --standalone --nproc-per-node 2 tools/profile_step.py compile --mode plain|attach|options
 
@@ -106,6 +107,53 @@ def profile(args, x, y) -> None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
+def runtime(args, x, y) -> None:
+    """Per rank, the median and mean ms per step of graphzero's backward runtime around the compiled
+    graph: the rank agreement, the engines' sinks, the compiled backward itself, and the wrapper."""
+    from unittest import mock
+
+    from graphzero import compiler, rank_agreement
+    from graphzero.deepspeed_adapter import binding_of
+    step, engines = graphzero_step(mlp(), mlp(), "attach", args.collective, args.stage)
+    spent: dict[str, list[float]] = {}
+
+    def timed(name: str, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.setdefault(name, []).append(time.perf_counter() - t)
+        return call
+
+    binding = type(binding_of(engines[0]))
+    wrapper = compiler.BackwardWithRuntimeInputs.__call__
+
+    def wrapped(self, boxed):
+        if not getattr(self, "_timed", False):
+            self.compiled, self._timed = timed("compiled backward", self.compiled), True
+        return wrapper(self, boxed)
+
+    with mock.patch.object(rank_agreement, "agree", timed("rank agreement", rank_agreement.agree)), \
+            mock.patch.object(binding, "sinks", timed("sinks", binding.sinks)), \
+            mock.patch.object(compiler.BackwardWithRuntimeInputs, "__call__", timed("backward runtime", wrapped)):
+        for i in range(args.steps + 4):
+            if i == 4:
+                spent.clear()
+            loss = step(x, y)
+            timed("backward", loss.backward)()
+            for e in engines:
+                e.step()
+    rows = [f"rank {dist.get_rank()}: " + ", ".join(
+        f"{name} {1000 * statistics.median(v) * len(v) / args.steps:.2f} / {1000 * sum(v) / args.steps:.2f}"
+        for name, v in spent.items())]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    if dist.get_rank() == 0:
+        print("ms per step, median x calls per step / mean:")
+        print("\n".join(r for rank_rows in every for r in rank_rows))
+
+
 def compile_time(args, x, y) -> None:
     torch.manual_seed(0)
     if args.mode == "plain":
@@ -127,7 +175,7 @@ def compile_time(args, x, y) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["phases", "profile", "compile"])
+    parser.add_argument("what", choices=["phases", "profile", "runtime", "compile"])
     parser.add_argument("--mode", choices=["plain", "attach", "options"], default="attach",
                         help="compile: plain inductor, graphzero after graphzero.attach(), or engines in options")
     parser.add_argument("--collective", default="auto", choices=COLLECTIVES)
@@ -142,7 +190,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.set_default_device(device)
     x, y = torch.randn(64, 512), torch.randn(64, 512)
-    {"phases": phases, "profile": profile, "compile": compile_time}[args.what](args, x, y)
+    {"phases": phases, "profile": profile, "runtime": runtime, "compile": compile_time}[args.what](args, x, y)
     dist.destroy_process_group()
 
 
