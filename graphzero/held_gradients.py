@@ -28,23 +28,21 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .local_accumulation import GroupBuffers
 from .ownership import FlatGroup
 
 
-class HeldGradients:
+class HeldGradients(GroupBuffers):
     """Per ZeRO-3 engine: the full-size gradient sums held for the last graph of this backward
     (laid out as the concatenation of each parameter's padded full gradient, i.e. ``world x`` the
     shard offsets)."""
 
     def __init__(self, groups: tuple[FlatGroup, ...], world_size: int, dtype: torch.dtype,
                  flush: Callable[[], None] = lambda: None) -> None:
-        self.groups = groups
+        super().__init__(groups, dtype)
         self.world_size = world_size
-        self.dtype = dtype
         # reduces every held sum into the shards (the adapter: collectives)
         self.flush = flush
-        self.pending: set[tuple[int, int]] = set()
-        self._buffers: list[torch.Tensor] | None = None
         self._callback_queued = False
         self.scale = 1.0
 
@@ -53,16 +51,6 @@ class HeldGradients:
         group = self.groups[g]
         start = self.world_size * group.offsets[k]
         return start, start + self.world_size * group.shard_numel_of(k)
-
-    # -- buffers ---------------------------------------------------------------------------------
-    def buffers(self, device: torch.device) -> list[torch.Tensor]:
-        if self._buffers is None:
-            self._buffers = [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
-        return self._buffers
-
-    def scratch(self, device: torch.device) -> list[torch.Tensor]:
-        """Zeroed buffers shaped like buffers(), for a backward whose result must not be kept."""
-        return [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
 
     def held(self, positions: Iterable[tuple[int, int]], scale: float) -> None:
         """A backward added these parameters' gradients; the graph that reduces them would have

@@ -31,7 +31,27 @@ import torch
 from .ownership import FlatGroup
 
 
-class LocalAccumulator:
+class GroupBuffers:
+    """Per engine: one full-size buffer per param group (allocated zeroed when first needed), and the
+    (group, position) of the parameters whose sums it holds (``pending``)."""
+
+    def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype) -> None:
+        self.groups = groups
+        self.dtype = dtype
+        self.pending: set[tuple[int, int]] = set()
+        self._buffers: list[torch.Tensor] | None = None
+
+    def buffers(self, device: torch.device) -> list[torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
+        return self._buffers
+
+    def scratch(self, device: torch.device) -> list[torch.Tensor]:
+        """Zeroed buffers shaped like buffers(), for a backward whose result must not be kept."""
+        return [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
+
+
+class LocalAccumulator(GroupBuffers):
     """Per engine: the flat, full-size gradient sum of this window, and which parameters it holds.
 
     ``pending`` holds (group, position) of parameters added since their last reduction: the
@@ -42,25 +62,12 @@ class LocalAccumulator:
     def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype,
                  on_accumulate: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
                  at_boundary: Callable[[], bool] = lambda: True) -> None:
-        self.groups = groups
-        self.dtype = dtype
+        super().__init__(groups, dtype)
         self.on_accumulate = on_accumulate
         # reduces every pending sum into the shards (the adapter: a collective)
         self.flush = flush
         self.at_boundary = at_boundary
         self.order = next(_ORDER)   # the same on every rank: engines are attached in the same order
-        self.pending: set[tuple[int, int]] = set()
-        self._buffers: list[torch.Tensor] | None = None
-
-    def buffers(self, device: torch.device) -> list[torch.Tensor]:
-        """Per param group, the window's buffer (zeros at the start of a window)."""
-        if self._buffers is None:
-            self._buffers = [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
-        return self._buffers
-
-    def scratch(self, device: torch.device) -> list[torch.Tensor]:
-        """Zeroed buffers shaped like buffers(), for a backward whose result must not be kept."""
-        return [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
 
     def accumulated(self, positions: Iterable[tuple[int, int]]) -> None:
         self.pending.update(positions)
