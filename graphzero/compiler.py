@@ -140,7 +140,7 @@ class BackwardTransform:
         """ZeRO-3: the ranks agree on the forward's gathers before running it; a training forward
         counts itself for the engines whose gradients it will produce (pending_backwards.py)."""
         if training and self.ownership.param_sets:
-            compiled = pending_backwards.CountForwards(compiled, [ps.backwards for ps in self.ownership.param_sets])
+            compiled = pending_backwards.CountForwards(compiled, self.positions())
         plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
             return compiled
@@ -148,6 +148,11 @@ class BackwardTransform:
                        if any(p[2] == ps.group_name for p in plan)}.items())
         what = f"graph {self.graph_id} forward (engines {sorted({p[1] for p in plan})})"
         return rank_agreement.ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
+
+    def positions(self) -> dict[ParamSet, tuple[tuple[int, int], ...]]:
+        """Per engine, the (group, position) of each of its parameters this graph reaches."""
+        return {ps: tuple(sorted({(o.group, o.position) for o in self.ownership.inputs.values() if o.param_set is ps}))
+                for ps in self.ownership.param_sets}
 
     def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], modes: variants.Modes | None = None,
                   dump: GraphDump | None = None) -> tuple[fx.GraphModule, PassContext]:
@@ -171,7 +176,8 @@ class BackwardTransform:
         when first needed; the plain one is compiled now, as any backward, unless a ZeRO-1 window
         makes it unlikely to run."""
         deferred = [ps for ps in self.ownership.param_sets if ps.local is not None and ps.defers_reduction()]
-        varying = [ps for ps in self.ownership.param_sets if ps.local is not None or ps.held is not None]
+        varying = {ps: positions for ps, positions in self.positions().items()
+                   if ps.local is not None or ps.held is not None}
 
         def compile_variant(gm: fx.GraphModule, modes: variants.Modes | None = None,
                             dump: GraphDump | None = None):
@@ -257,7 +263,10 @@ class BackwardWithRuntimeInputs:
                 norms[ps] = {None: (fold.buffer(ps.device) if fold is not None
                                     else torch.zeros(len(ps.groups), device=ps.device))}
             if ps in self.held:
-                held[ps] = ps.held.buffers(ps.device) if accumulating[ps] else ps.held.scratch(ps.device)
+                make = ps.held.buffer if accumulating[ps] else ps.held.scratch
+                held[ps] = {p: make(*p, ps.device) for p in self.held_positions[ps]}
+                if accumulating[ps] and self.held[ps] == "hold":
+                    ps.held.holding(self.held_positions[ps], ps.runtime_scale())
             if accumulating[ps]:
                 if mode != "accumulate" and ps in self.sinks_needed:
                     ps.mark_present(self.present[ps])
@@ -286,15 +295,9 @@ class BackwardWithRuntimeInputs:
         for ps, mode in self.local.items():
             if accumulating[ps]:
                 (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])
-        for ps in self.param_sets:
-            if ps.held is not None:
-                if accumulating[ps] and ps in self.held:
-                    if self.held[ps] == "hold":
-                        ps.held.held(self.held_positions[ps], scales[ps])
-                    else:
-                        ps.held.released(self.held_positions[ps])
-                # the counts start again, and whatever is still held is reduced, when this backward ends
-                ps.held.end_after_this_backward()
+        for ps, mode in self.held.items():
+            if accumulating[ps] and mode == "release":
+                ps.held.released(self.held_positions[ps])
         # an engine at its boundary that this micro-step's graphs do not reach still holds its window
         local_accumulation.flush_after_this_backward()
         return out

@@ -1,5 +1,5 @@
-"""ZeRO-1 with gradient accumulation: the gradient sum of the current accumulation window, kept
-locally until the boundary micro-step reduces it once.
+"""ZeRO-1/2 gradients kept locally: the sum of a ZeRO-1 accumulation window until the boundary
+micro-step reduces it once, or of graphs of one backward until the last one reaching them.
 
 DeepSpeed eager ZeRO-1 lets each micro-step's gradient accumulate in the full-size ``.grad`` and
 reduces only at the gradient-accumulation boundary (``engine.allreduce_gradients``); ZeRO-2
@@ -31,17 +31,29 @@ import torch
 from .ownership import FlatGroup
 
 
-class GroupBuffers:
-    """Per engine: one full-size buffer per param group (allocated zeroed when first needed), and the
-    (group, position) of the parameters whose sums it holds (``pending``)."""
+class LocalAccumulator:
+    """Per engine: the flat, full-size local gradient sum, and which parameters it holds.
 
-    def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype) -> None:
+    ``pending`` holds (group, position) of parameters added since their last reduction: the
+    boundary (or last) graph reduces those it has a gradient for; the adapter reduces any others
+    when the backward ends or before the optimizer step (a parameter no such graph reached).
+    """
+
+    def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype,
+                 on_accumulate: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
+                 at_boundary: Callable[[], bool] = lambda: True) -> None:
         self.groups = groups
         self.dtype = dtype
+        self.on_accumulate = on_accumulate
+        # reduces every pending sum into the shards (the adapter: a collective)
+        self.flush = flush
+        self.at_boundary = at_boundary
+        self.order = next(_ORDER)   # the same on every rank: engines are attached in the same order
         self.pending: set[tuple[int, int]] = set()
         self._buffers: list[torch.Tensor] | None = None
 
     def buffers(self, device: torch.device) -> list[torch.Tensor]:
+        """Per param group, the window's buffer (zeros at the start of a window)."""
         if self._buffers is None:
             self._buffers = [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
         return self._buffers
@@ -49,25 +61,6 @@ class GroupBuffers:
     def scratch(self, device: torch.device) -> list[torch.Tensor]:
         """Zeroed buffers shaped like buffers(), for a backward whose result must not be kept."""
         return [torch.zeros(g.numel, dtype=self.dtype, device=device) for g in self.groups]
-
-
-class LocalAccumulator(GroupBuffers):
-    """Per engine: the flat, full-size gradient sum of this window, and which parameters it holds.
-
-    ``pending`` holds (group, position) of parameters added since their last reduction: the
-    boundary graph reduces those it has a gradient for; the adapter reduces any others before the
-    optimizer step (a parameter the boundary micro-step did not reach).
-    """
-
-    def __init__(self, groups: tuple[FlatGroup, ...], dtype: torch.dtype,
-                 on_accumulate: Callable[[], None] = lambda: None, flush: Callable[[], None] = lambda: None,
-                 at_boundary: Callable[[], bool] = lambda: True) -> None:
-        super().__init__(groups, dtype)
-        self.on_accumulate = on_accumulate
-        # reduces every pending sum into the shards (the adapter: a collective)
-        self.flush = flush
-        self.at_boundary = at_boundary
-        self.order = next(_ORDER)   # the same on every rank: engines are attached in the same order
 
     def accumulated(self, positions: Iterable[tuple[int, int]]) -> None:
         self.pending.update(positions)
@@ -106,9 +99,10 @@ _WITH_PENDING: set[LocalAccumulator] = set()
 
 
 def flush_at_boundary() -> None:
-    """End of a backward: reduce the pending sums of every engine at its boundary that no
-    boundary graph reduced (an engine the boundary micro-step's loss did not reach), so that its
-    gradients are complete when the backward returns, as after DeepSpeed's boundary backward.
+    """End of a backward: reduce the pending sums of every engine at its boundary (ZeRO-2 and
+    ZeRO-1 without accumulation: always) that no graph of the backward reduced (an engine the
+    boundary micro-step's loss did not reach, a graph kept its gradients for one that never ran), so
+    that its gradients are complete when the backward returns, as after DeepSpeed's backward.
     Every rank runs the same backwards, so the same flushes in the same order."""
     for acc in sorted(_WITH_PENDING, key=lambda a: a.order):
         if acc.pending and acc.at_boundary():

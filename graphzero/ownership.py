@@ -95,9 +95,9 @@ class ParamSet:
     # 0: every parameter is gathered again in backward
     reuse_distance: int = 0
     # ZeRO-1/2 (local_accumulation.py): the local gradient sum of a ZeRO-1 accumulation window, or of
-    # the graphs of one backward before the last one reaching the engine. defers_reduction() (read at compile time: gas > 1) says whether graphs
-    # compiled now keep non-boundary micro-steps local; at_boundary() (read per backward) whether
-    # this micro-step ends the accumulation window.
+    # the graphs of one backward before the last one reaching the engine. defers_reduction() (gas > 1;
+    # read at compile time and per backward) says whether non-boundary micro-steps stay local;
+    # at_boundary() (read per backward) whether this micro-step ends the accumulation window.
     # a local_accumulation.LocalAccumulator (not imported: it builds on this module's FlatGroup)
     local: Any = None
     defers_reduction: Callable[[], bool] = lambda: False

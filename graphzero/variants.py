@@ -3,18 +3,20 @@
 Every rank runs the same graph, so a collective cannot be skipped at run time; instead the
 backward is compiled in variants, and each call picks one:
 
-- ZeRO-1/2 (local_accumulation.py, passes/local_accumulate.py): ``"accumulate"`` (add into a
-  local buffer, reduce nothing) on a ZeRO-1 non-boundary micro-step (gas > 1) or while another
-  graph of this backward will still reach the engine; ``"flush"`` (reduce the local sum with this
-  graph's gradients) at the boundary or in that last graph; ``"reduce"`` otherwise;
-- ZeRO-3 (held_gradients.py, passes/hold_shard_grads.py): ``"hold"`` while another graph of this
-  backward will still reach the engine, ``"release"`` in the last one, ``"reduce"`` otherwise.
+- ZeRO-1/2 (local_accumulation.py, passes/local_accumulate.py): ``"accumulate"`` (add into the
+  engine's full-size local buffer, reduce nothing) on a ZeRO-1 non-boundary micro-step (gas > 1),
+  or when this graph reaches every parameter of the engine and another graph of this backward will
+  reach them all again; ``"flush"`` (reduce the local sum with this graph's gradients) at the
+  boundary or when some of this graph's parameters have a local sum; ``"reduce"`` otherwise;
+- ZeRO-3 (held_gradients.py, passes/hold_shard_grads.py): ``"hold"`` when another graph of this
+  backward will reach every parameter of the engine this graph reaches, ``"release"`` when some of
+  them are held, ``"reduce"`` otherwise.
 
-Whether another graph follows is counted per engine (pending_backwards.py).
+Whether another graph will reach a parameter is counted per parameter (pending_backwards.py).
 
 Which variant a backward needs is known only when it runs, so `BackwardVariants` picks it per
-call and compiles each the first time it is needed (one for a graph no other graph of its
-backward shares an engine with and without gradient accumulation; two or three otherwise). The variant
+call and compiles each the first time it is needed (one for a graph that shares no parameter with
+another graph of its backward, without gradient accumulation; usually two otherwise). The variant
 is part of each variant's collective plan, so ranks that disagree raise a RankDisagreementError
 instead of hanging.
 
@@ -23,7 +25,7 @@ compiled the backward, as AOT does for its own lazy backward compile.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,25 +52,31 @@ def label(modes: Modes) -> str:
     return "_".join(parts) or "reduce"
 
 
-def mode_of(ps: ParamSet) -> str:
-    """This backward's mode of an engine (called once per backward of a graph reaching it: it counts)."""
-    follows = ps.backwards.backward_started()
+def mode_of(ps: ParamSet, positions: tuple[tuple[int, int], ...]) -> str:
+    """This backward's mode of an engine whose parameters at ``positions`` the graph reaches (called
+    once per backward of the graph: it counts)."""
+    again = ps.backwards.reached_again(positions)
     if ps.held is not None:
-        return "hold" if follows else "release" if ps.held.pending else "reduce"
+        ps.held.drop_stale()
+        if again:
+            return "hold"
+        return "release" if ps.held.pending.intersection(positions) else "reduce"
     if ps.local is None:
         return "reduce"
-    if follows or not ps.at_boundary():
+    # the local buffer is the engine's whole flat gradient: keep it for a graph reaching all of it
+    if not ps.at_boundary() or (again and len(positions) == ps.num_params):
         return "accumulate"
-    return "flush" if ps.local.pending or ps.defers_reduction() else "reduce"
+    return "flush" if ps.local.pending.intersection(positions) or ps.defers_reduction() else "reduce"
 
 
 class BackwardVariants:
     """A boxed backward that dispatches on `mode_of` each of its varying engines."""
 
-    def __init__(self, varying: Sequence[ParamSet], compile_variant: Callable[[Modes], Callable],
+    def __init__(self, varying: dict[ParamSet, tuple[tuple[int, int], ...]],
+                 compile_variant: Callable[[Modes], Callable],
                  compiled: dict[tuple[str, ...], Callable] | None = None) -> None:
         self._boxed_call = True   # in the instance dict: dynamo's disable() wrapper copies __dict__
-        self.varying = list(varying)
+        self.varying = dict(varying)   # engine -> the positions of its parameters this graph reaches
         self._compile_variant = compile_variant
         self.compiled: dict[tuple[str, ...], Callable] = dict(compiled or {})
         self._tracing = torch._guards.TracingContext.try_get()
@@ -85,4 +93,4 @@ class BackwardVariants:
         return fn
 
     def __call__(self, args: list[Any]) -> Any:
-        return self.variant(tuple(mode_of(ps) for ps in self.varying))(args)
+        return self.variant(tuple(mode_of(ps, positions) for ps, positions in self.varying.items()))(args)

@@ -32,9 +32,9 @@ from .wait_params import wait_params
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 # Order matters: each pass relies on what the previous ones put in the context.
-#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1, gas > 1: keeps a
-#   non-boundary micro-step local and drops its buckets, or feeds the window's sum to them at the
-#   boundary) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
+#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1 with gas > 1, or a
+#   ZeRO-1/2 engine another graph of the same backward reaches again: keeps the gradients local and
+#   drops their buckets, or feeds the local sum to them) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
 #   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits;
 #   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum) last, where the waits stand.

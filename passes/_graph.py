@@ -59,8 +59,9 @@ class PassContext:
     reduced: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
     # placeholders appended to the backward graph, in order, and what the runtime passes for
     # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
-    # the 0-d fp32 factor for this call
-    runtime_inputs: list[tuple[str, ParamSet, int | None]] = dataclasses.field(default_factory=list)
+    # the 0-d fp32 factor for this call, ("held", param_set, (group, position)) -> a ZeRO-3
+    # parameter's held full gradient
+    runtime_inputs: list[tuple[str, ParamSet, Any]] = dataclasses.field(default_factory=list)
     # ZeRO-1/2 engines with a local sum, in the variant being compiled: "accumulate" (a ZeRO-1
     # non-boundary micro-step, or another graph of this backward follows: add into the local
     # buffer, no collective) or "flush" (reduce local buffer + gradient). Engines not listed reduce.

@@ -14,8 +14,8 @@ into that slice. So no reduced shard outlives its bucket (DeepSpeed adds each re
 the partition as it completes), and the backward holds one sink, not a second model/world of
 reduced shards until the output.
 
-Inductor fuses the cast, scale and add into one pass over the shard. A ZeRO-1 engine flushing its
-local accumulation (local_accumulate) is not scaled again here. Finally the owned
+Inductor fuses the cast, scale and add into one pass over the shard. An engine flushing its local sum
+(local_accumulate: scaled as it was added) is not scaled again here. Finally the owned
 gradients are removed from the graph's outputs (None), so autograd keeps no full-size ``.grad``.
 """
 from __future__ import annotations

@@ -2,16 +2,14 @@
 reaches are held, and the last such graph reduces each parameter's sum once.
 
 Runs after sum_shard_grads (one reduce-scatter per parameter in this graph) and before
-bucket_shard_grads, only in the variants that need it (``ctx.held``, held_gradients.py). Per
-engine and param group it appends one placeholder for the engine's held buffer (kind ``"held"``:
-the concatenation of each parameter's padded full gradient, ``world x`` its shard offsets), then
-for each of the engine's shard gradients ``wait(reduce_scatter(x))``:
+bucket_shard_grads, only in the variants that need it (``ctx.held``, held_gradients.py). For each
+of the engine's shard gradients ``wait(reduce_scatter(x))`` it appends one placeholder for that
+parameter's held sum (kind ``"held"``, a padded full gradient), then:
 
-- ``"hold"``: ``slice(held) + x`` -> ``aten.copy_`` into that slice, right after ``x``; the
-  reduce-scatter, its wait and the graph output go (None: no shard is written, nothing is
-  reduced here);
-- ``"release"``: the reduce-scatter reads ``x + slice(held)`` instead of ``x``: one reduction of
-  every contribution of this backward. The runtime zeroes the released slices after the call.
+- ``"hold"``: ``held + x`` -> ``aten.copy_`` into ``held``, right after ``x``; the reduce-scatter,
+  its wait and the graph output go (None: no shard is written, nothing is reduced here);
+- ``"release"``: the reduce-scatter reads ``x + held`` instead of ``x``: one reduction of every
+  contribution of this backward. The runtime drops the released sums after the call.
 
 Records the owned inputs it held or released in ``ctx.held_grads`` and the count as ``held`` /
 ``released`` per engine for the dump.
@@ -37,12 +35,6 @@ aten = torch.ops.aten
 convert = torch.ops.prims.convert_element_type.default
 
 
-def _held_slice(ins: Inserter, ps, buf: fx.Node, owned) -> fx.Node:
-    a, b = ps.held.full_range(owned.group, owned.position)
-    return ins.call(aten.slice.Tensor, (buf, 0, a, b), engine=ps.name,
-                    why=f"{owned.qualname}'s gradient held from earlier graphs of this backward")
-
-
 def _as(ins: Inserter, x: fx.Node, dtype: torch.dtype, ps, why: str) -> fx.Node:
     return x if x.meta["val"].dtype == dtype else ins.call(convert, (x, dtype), engine=ps.name, why=why)
 
@@ -57,18 +49,15 @@ def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         mine = [(rs, wait, owned) for rs, wait, owned in reductions if owned.param_set is ps]
         if not mine:
             continue
-        device = mine[0][0].args[0].meta["val"].device
-        bufs = {}
-        for g in sorted({owned.group for _, _, owned in mine}):
-            with ctx.fake_mode:
-                val = torch.empty((ps.groups[g].numel,), dtype=ps.held.dtype, device=device)
-            bufs[g] = append_placeholder(gm, ctx, PASS, f"graphzero_held_{ps.name}_{g}", val, "held", ps, g,
-                                         f"{ps.held.dtype} full gradients held for the last graph of this backward")
         for rs, wait, owned in mine:
             x = rs.args[0]
+            g, k = owned.group, owned.position
+            with ctx.fake_mode:
+                val = torch.empty((ps.held.numel(g, k),), dtype=ps.held.dtype, device=x.meta["val"].device)
+            held = append_placeholder(gm, ctx, PASS, f"graphzero_held_{ps.name}_{g}_{k}", val, "held", ps, (g, k),
+                                      f"{owned.qualname}'s full gradient held from other graphs of this backward")
             hoist(gm, x)
-            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, bufs[owned.group]]))
-            held = _held_slice(ins, ps, bufs[owned.group], owned)
+            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, held]))
             if mode == "hold":
                 total = ins.call(aten.add.Tensor, (held, _as(ins, x, ps.held.dtype, ps, "in the held dtype")),
                                  engine=ps.name, why=f"hold {owned.qualname}'s gradient: another graph reduces it")

@@ -91,16 +91,21 @@ def broken_gan_loss(models, z, real):
     return -fake_score + models["disc"](real).mean()
 
 
-def across_graphs_scenario(broken: bool, leftover: bool = False, inner: str = "inductor") -> dict:
+def across_graphs_scenario(broken: bool, leftover: bool = False, inner: str = "inductor",
+                           fail_first: bool = False) -> dict:
     """The GAN at ZeRO-3 over 3 steps, one graph or two: gradients and gradient norms against the
     single-process reference, and the bytes each backward reduced (torch.profiler, as
     graphzero-compare counts them; reduce_scatter, so that a byte is a byte on every backend).
     ``leftover``: before each step, a forward of the same step whose output is dropped (its
-    backward never runs)."""
+    backward never runs). ``fail_first``: first a backward that raises half way (its end never runs)."""
+    from graphzero.errors import AutogradUsageError
     rank, world = rank_world()
     engines, ref = gan_engines(3)
     loss = broken_gan_loss if broken else gan_loss
     step = torch.compile(loss, backend="graphzero", options={"collective": "reduce_scatter", "inner": inner})
+    if fail_first:
+        with pytest.raises(AutogradUsageError):
+            step(engines, *data(9, rank, (4, 8), (4, 8))).backward(create_graph=True)
     reduced = []
     for t in range(3):
         z, real = data(t, rank, (4, 8), (4, 8))
@@ -126,6 +131,15 @@ def test_engine_in_two_graphs_reduces_once_per_step(ranks):
     assert two_eager["reduced"] == two["reduced"], (two, two_eager)
 
 
+def test_a_backward_that_raised_leaves_nothing_behind(ranks):
+    # its graphs counted and its end never ran: the next backward still reduces each gradient once
+    # and right (at worst it keeps some until it ends), and the one after is back to the plain plan
+    one = ranks.run(across_graphs_scenario, False)[0]
+    res = ranks.run(across_graphs_scenario, True, False, "inductor", True)[0]
+    assert all(res["padded"] <= nbytes <= res["padded"] + 64 for nbytes, _ in res["reduced"]), res
+    assert res["reduced"][1:] == one["reduced"][1:], (one, res)
+
+
 def test_forward_without_backward_keeps_gradients_right(ranks):
     # a dropped forward makes the counts say "another graph follows": the backward holds, and what
     # is still held when it ends is reduced then (one reduce-scatter per parameter), so the
@@ -133,6 +147,80 @@ def test_forward_without_backward_keeps_gradients_right(ranks):
     res = ranks.run(across_graphs_scenario, True, True)[0]
     # (reduced twice would be 1.37x here; a few bytes on top are the gradient norms' scalars)
     assert all(res["padded"] <= nbytes <= res["padded"] + 64 for nbytes, _ in res["reduced"]), res
+
+
+class BreakInside(torch.nn.Module):
+    """A discriminator whose forward has a graph break between its layers: no parameter of it is
+    in both graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(8 * 2, 1)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def _generate(models, z):
+    return models["gen"](z)
+
+
+def _critic(models, x):
+    # the discriminator called once: its two graphs reach different parameters
+    return models["disc"](x).mean()
+
+
+def _generator_loss(models, z):
+    fake = models["gen"](z)
+    torch._dynamo.graph_break()
+    return -models["disc"](fake).mean()
+
+
+def plain_path_scenario(stage: int, path: str) -> dict:
+    """Graphs that share no parameter keep the plain backward: (1) a model split by a graph break
+    (each graph reaches other parameters of the engine; only the discriminator has gradients), with
+    gradients against the reference;
+    (2) a generator forward whose backward never runs (a critic step on its detached output) does
+    not make the next generator backward hold (every count restarts when a backward ends)."""
+    import graphzero
+    from scenario_utils import GRAD_TOL, Reference, assert_grads_close, full_grads
+    rank, world = rank_world()
+    torch.manual_seed(3)
+    models = {"gen": mlp(8, 16, 8), "disc": BreakInside()}
+    ref = Reference(models)
+    engines = {name: engine(m, z3_config(stage)) for name, m in models.items()}
+    graphzero.attach(**engines)
+    options = {"dump_dir": path}
+    split = torch.compile(_critic, backend="graphzero", options=options)
+    for t in range(2):
+        split(engines, *data(t, rank, (4, 8))).backward()
+        ref.accumulate(_critic, [data(t, r, (4, 8)) for r in range(world)])
+        assert_grads_close(full_grads(engines["disc"]), ref.grads("disc"), **GRAD_TOL, what=f"step {t} disc")
+        engines["disc"].step()
+        ref.step()
+    generate, critic, generator_loss = (torch.compile(f, backend="graphzero", options=options)
+                                        for f in (_generate, _critic, _generator_loss))
+    for t in range(2):
+        z, = data(t, rank, (4, 8))
+        critic(engines, generate(engines, z).detach()).backward()
+        engines["disc"].step()
+        generator_loss(engines, z).backward()
+        engines["gen"].step()
+        engines["disc"].zero_grad()
+    out = {}
+    if rank == 0:
+        out["graphs"] = [(g["id"], g.get("variant")) for g in json.loads((Path(path) / "summary.json").read_text())["graphs"]]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_graphs_sharing_no_parameter_keep_the_plain_backward(ranks, tmp_path, stage):
+    graphs = ranks.run(plain_path_scenario, stage, str(tmp_path))[0]["graphs"]
+    assert len(graphs) >= 4, graphs
+    assert all(variant is None for _, variant in graphs), graphs
 
 
 def _chain_loss(models, x):

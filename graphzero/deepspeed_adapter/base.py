@@ -286,14 +286,15 @@ class DeepSpeedBinding:
 
     @torch.no_grad()
     def _flush_local(self) -> None:
-        """At the boundary ``step()``: reduce the window's local sums that no boundary backward
-        reduced (parameters the boundary micro-step did not reach, or eager-safety-net gradients),
-        before the optimizer reads its shards. Usually nothing is left."""
+        """At the end of a backward at the boundary, and in the boundary ``step()``: reduce the local
+        sums that no compiled backward reduced (parameters the boundary micro-step did not reach,
+        eager-safety-net gradients, a graph that kept its gradients for one that never ran) before
+        the optimizer reads its shards. Usually nothing is left."""
         ps, local = self.param_set, self.param_set.local
         if local is None or not local.pending:
             return
         pending = sorted(local.pending)
-        what = f"engine {self.name!r}: local gradient sums left at the accumulation boundary"
+        what = f"engine {self.name!r}: local gradient sums left at the end of a backward or window"
         rank_agreement.agree(rank_agreement.fingerprint(("local-flush", self.name, pending)), ps.process_group, what)
         bufs, sinks = local.buffers(ps.device), self._backward_sinks()
         for g in sorted({g for g, _ in pending}):

@@ -256,21 +256,20 @@ class Zero3Binding(DeepSpeedBinding):
     @torch.no_grad()
     def _flush_held(self) -> None:
         """When a backward ends: reduce the full gradients still held (held_gradients.py) into the
-        shards, one reduce-scatter per parameter. Only when a graph held for a backward that never
-        came: a forward whose output was dropped, or graphs that reach different parameters."""
+        shards, one reduce-scatter per parameter. Only when a graph held for another that never came
+        (a forward whose backward did not run)."""
         ps, held = self.param_set, self.param_set.held
         pending = sorted(held.pending)
         log.info("engine %r: %d parameter gradient(s) held for a later graph of this backward were reduced when "
                  "it ended (a forward reaching the engine whose backward did not run?)", self.name, len(pending))
         what = f"engine {self.name!r}: gradients held past the end of a backward"
         rank_agreement.agree(rank_agreement.fingerprint(("held-flush", self.name, pending)), ps.process_group, what)
-        bufs, sinks = held.buffers(ps.device), self._backward_sinks()
+        sinks = self._backward_sinks()
         for g, k in pending:
             group = ps.groups[g]
-            a, b = held.full_range(g, k)
-            shard = torch.empty(group.shard_numel_of(k), dtype=bufs[g].dtype, device=ps.device)
+            shard = torch.empty(group.shard_numel_of(k), dtype=held.dtype, device=ps.device)
             with rank_agreement.collective_failures(what):
-                dist.reduce_scatter_tensor(shard, bufs[g][a:b], group=ps.process_group)
+                dist.reduce_scatter_tensor(shard, held.buffer(g, k, ps.device), group=ps.process_group)
             start = group.offsets[k]
             sinks[g][start:start + shard.numel()].add_(shard.to(sinks[g].dtype), alpha=held.scale)
         self.mark_present([ps.groups[g].params[k] for g, k in pending])
