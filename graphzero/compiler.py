@@ -257,6 +257,7 @@ class BackwardWithRuntimeInputs:
         buffers, scales, local, norms, folds, held = {}, {}, {}, {}, {}, {}
         for ps in self.param_sets:
             mode = self.local.get(ps)
+            scales[ps] = ps.runtime_scale()
             if ps in self.norm_sets:
                 # the squares of this backward's final shards (norm_fold.py); scratch if nothing reads them
                 fold = ps.norm if accumulating[ps] else None
@@ -266,7 +267,7 @@ class BackwardWithRuntimeInputs:
                 make = ps.held.buffer if accumulating[ps] else ps.held.scratch
                 held[ps] = {p: make(*p, ps.device) for p in self.held_positions[ps]}
                 if accumulating[ps] and self.held[ps] == "hold":
-                    ps.held.holding(self.held_positions[ps], ps.runtime_scale())
+                    ps.held.holding(self.held_positions[ps], scales[ps])
             if accumulating[ps]:
                 if mode != "accumulate" and ps in self.sinks_needed:
                     ps.mark_present(self.present[ps])
@@ -282,7 +283,6 @@ class BackwardWithRuntimeInputs:
                 buffers[ps] = ps.scratch_sinks()
                 if mode is not None:
                     local[ps] = ps.local.scratch(ps.device)
-            scales[ps] = ps.runtime_scale()
         runtime = {"sink": buffers, "local": local, "norm": norms, "held": held}
         args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps], ps.device)
                     for kind, ps, g in self.runtime_inputs)

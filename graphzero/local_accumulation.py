@@ -17,8 +17,9 @@ a backward ends (``at_boundary``: always, but for a ZeRO-1 window) is reduced th
 
 Memory: one full-size buffer (the flat group, in the accumulation dtype) per param group, held
 only during a window. DeepSpeed eager ZeRO-1 keeps a full-size ``.grad`` for the same window, and
-graphzero keeps no ``.grad`` for owned parameters, so for fp32 ZeRO-1 it costs the same (between the graphs of one backward, eager
-autograd holds a full gradient of each parameter both reach in its input buffer). Nothing here
+graphzero keeps no ``.grad`` for owned parameters, so for fp32 ZeRO-1 it costs the same (between
+the graphs of one backward, eager autograd holds a full gradient of each parameter both reach in
+its input buffer). Nothing here
 knows about DeepSpeed: the adapter creates one per engine and says when a window ends.
 """
 from __future__ import annotations

@@ -182,7 +182,7 @@ def shard_grad_reductions(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx
 
 
 _HOISTABLE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
-            aten.clone.default, torch.ops.prims.convert_element_type.default}
+              aten.clone.default, torch.ops.prims.convert_element_type.default}
 
 
 def hoist(gm: fx.GraphModule, node: fx.Node) -> None:

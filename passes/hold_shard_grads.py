@@ -46,10 +46,7 @@ def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out = output_node(gm)
     dropped: list[tuple[fx.Node, fx.Node]] = []   # (reduce-scatter, wait) of held gradients
     for ps, mode in ctx.held.items():
-        mine = [(rs, wait, owned) for rs, wait, owned in reductions if owned.param_set is ps]
-        if not mine:
-            continue
-        for rs, wait, owned in mine:
+        for rs, wait, owned in (r for r in reductions if r[2].param_set is ps):
             x = rs.args[0]
             g, k = owned.group, owned.position
             with ctx.fake_mode:
