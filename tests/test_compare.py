@@ -261,6 +261,16 @@ def test_summarize_collectives():
     assert s["by_op"]["all_reduce"] == {"count": 2, "bytes": 48}
     # graphzero's reduce-scatter on gloo is an all-to-all: a reduction
     assert s["bytes_reduced"] == 48 + 24 and s["reductions"] == 3 and s["bytes_gathered"] == 16
+    # the lean step's parameter all-gather of a gloo pair is an all-to-all inside its profiler range
+    span = SimpleNamespace(start=100, end=200)
+    ev = [SimpleNamespace(name="graphzero.param_all_gather", input_shapes=[], input_dtypes=[], time_range=span),
+          SimpleNamespace(name="gloo:all_to_all", input_shapes=[[6]], input_dtypes=["float"],
+                          time_range=SimpleNamespace(start=150, end=260)),
+          SimpleNamespace(name="gloo:all_to_all", input_shapes=[[6]], input_dtypes=["float"],
+                          time_range=SimpleNamespace(start=20, end=90))]
+    s = bench_metrics.summarize_collectives(ev, world_size=2)
+    assert s["by_op"] == {"all_gather": {"count": 1, "bytes": 24}, "all_to_all": {"count": 1, "bytes": 24}}
+    assert s["bytes_reduced"] == 24 and s["reductions"] == 1 and s["bytes_gathered"] == 48
 
 
 def test_storage_bytes_dedupes_views_and_excludes():

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphzero.deepspeed_adapter.lean_step import PARAM_GATHER
+
 from .bench_runner import Runner
 
 
@@ -168,7 +170,13 @@ _DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "lo
 
 def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, Any]:
     """Count process-group backend events (``gloo:all_reduce``, ``nccl:reduce_scatter``, ...) from
-    ``torch.profiler`` events (``name``, ``input_shapes``, ``input_dtypes``)."""
+    ``torch.profiler`` events (``name``, ``input_shapes``, ``input_dtypes``, ``time_range``).
+
+    An all-to-all is graphzero's reduce-scatter on gloo (passes/lower_reduce_scatter.py), except one
+    that starts inside the lean step's ``graphzero.param_all_gather`` range (lean_step.py: the
+    parameter all-gather of a gloo pair), which is counted as the all-gather it stands for."""
+    events = list(events)
+    gathers = [e.time_range for e in events if getattr(e, "name", "") == PARAM_GATHER]
     by_op: dict[str, dict[str, int]] = {}
     reduced = gathered = reductions = 0
     for e in events:
@@ -176,6 +184,8 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
         if not m:
             continue
         op = m.group(2)
+        if op == "all_to_all" and any(r.start <= e.time_range.start <= r.end for r in gathers):
+            op = "all_gather"
         shapes = list(getattr(e, "input_shapes", None) or [])
         dtypes = list(getattr(e, "input_dtypes", None) or [])
         nbytes = 0
@@ -187,8 +197,6 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
         entry = by_op.setdefault(op, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += nbytes
-        # graphzero's reduce-scatter on gloo is an all-to-all (passes/lower_reduce_scatter.py);
-        # no runner of this harness sends anything else through one
         if "reduce" in op or op == "all_to_all":
             reduced += nbytes
             reductions += 1

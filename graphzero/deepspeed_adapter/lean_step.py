@@ -19,7 +19,12 @@ fp32 partition. This step does the same arithmetic on each param group's flat fp
 4. the copy into the bit16 partition and one all-gather of each group's flat bit16 buffer;
    with ``defer_param_gather`` launched and left in flight (registered with c10d under the
    buffer's storage, so a ``wait_tensor`` on any parameter waits for it: param_sync.py and the
-   ``wait_params`` pass), otherwise waited for here as DeepSpeed does.
+   ``wait_params`` pass), otherwise waited for here as DeepSpeed does. On a gloo group of two
+   ranks the all-gather is an all-to-all in which each rank sends its partition to the other and
+   receives the other's straight into the flat buffer (a zero split for itself): gloo's
+   all-gather copies the input and the output through staging buffers of its own, and took
+   2.2-2.7x as long for the gan's 5-6 MiB buffers (docs/benchmarks.md, seventh pass). The same
+   bytes arrive in the same place.
 
 Everything DeepSpeed reads afterwards stays DeepSpeed's: ``_global_grad_norm`` (so
 ``engine.get_global_grad_norm()``), ``overflow``, the base optimizer's state and param groups (so
@@ -51,6 +56,9 @@ log = logging.getLogger("graphzero")
 
 # torch 2.13 renamed all_gather_into_tensor (which now warns on every call site) to all_gather_single.
 _all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+#: The profiler range around the parameter all-gather (an all-to-all on a gloo pair).
+PARAM_GATHER = "graphzero.param_all_gather"
 
 # Base optimizers whose update this module runs through torch's fused kernel.
 _TORCH_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
@@ -179,6 +187,9 @@ class LeanStep:
         self.torch_adam = type(optimizer.optimizer) in _TORCH_ADAMS
         self.world = [dist.get_world_size(group=g) for g in optimizer.real_dp_process_group]
         self.rank = [dist.get_rank(group=g) for g in optimizer.real_dp_process_group]
+        # per group: the all-gather as a pairwise all-to-all (the same choice on every rank of a group)
+        self.pairwise = [w == 2 and dist.get_backend(g) == "gloo"
+                         for w, g in zip(self.world, optimizer.real_dp_process_group)]
         self._warned: set[str] = set()
 
     def __call__(self, closure=None) -> None:
@@ -293,18 +304,26 @@ class LeanStep:
 
     def _all_gather(self) -> None:
         opt = self.opt
+        # Under torch.profiler a gloo collective launched inside a profiling session and finished
+        # after it stops crashes the process (torch 2.13, reproduced with a plain async all-gather
+        # and work.wait()): no deferral while profiling.
+        defer = self.deferred is not None and not torch._C._autograd._profiler_enabled()
         for i, flat in enumerate(opt.bit16_groups_flat):
             if self.world[i] == 1:
                 continue
-            shard = opt.parallel_partitioned_bit16_groups[i][self.rank[i]]
-            if self.deferred is None or torch._C._autograd._profiler_enabled():
-                # Under torch.profiler a gloo collective launched inside a profiling session and
-                # finished after it stops crashes the process (torch 2.13, reproduced with a
-                # plain async all-gather and work.wait()): no deferral while profiling.
-                _all_gather_into(flat, shard, group=opt.real_dp_process_group[i])
-                continue
-            with allow_inflight_collective_as_graph_input_ctx():
-                _all_gather_into(flat, shard, group=opt.real_dp_process_group[i], async_op=True)
+            group, rank = opt.real_dp_process_group[i], self.rank[i]
+            partitions = opt.parallel_partitioned_bit16_groups[i]
+            # the profiler label tells a trace (and graphzero-compare's byte count) that this
+            # all-to-all is a gather, not a reduction
+            with allow_inflight_collective_as_graph_input_ctx(defer), torch.profiler.record_function(PARAM_GATHER):
+                if self.pairwise[i]:
+                    # rank 0 sends [nothing to itself, all to rank 1]; rank 1 the mirror image
+                    splits = [0, 0]
+                    splits[1 - rank] = partitions[rank].numel()
+                    dist.all_to_all_single(partitions[1 - rank], partitions[rank], output_split_sizes=splits,
+                                           input_split_sizes=splits, group=group, async_op=defer)
+                else:
+                    _all_gather_into(flat, partitions[rank], group=group, async_op=defer)
 
     def _skip(self) -> None:
         """DeepSpeed's overflow branch: no update, gradients dropped, the norm reported as inf."""
