@@ -86,6 +86,9 @@ def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 # the square of the piece's fp64 2-norm (inductor lowers the norm itself to this sum)
                 norms.append(at.call(aten.sum.default, (sq,), engine=ps.name,
                                      why=f"squared 2-norm of a parameter's piece of group {g}"))
+            # the sums go after every square (a ZeRO-3 piece may be the graph's last node: ``ins``'s
+            # cursor, which the squares were inserted after)
+            ins.cursor = output_node(gm).prev
             if not norms:
                 squares.append(ins.zeros(1, torch.float32, device, engine=ps.name, why=f"group {g}: no piece"))
                 continue

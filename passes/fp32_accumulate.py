@@ -49,7 +49,13 @@ def _bucket_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, shard:
 def _add_into(ins: Inserter, ps: ParamSet, target: fx.Node, delta: fx.Node, scale: fx.Node | None,
               what: str) -> fx.Node:
     """Upcast ``delta`` to the accumulation dtype, scale it (unless already scaled), add it to
-    ``target`` (the sink or a slice of it) and ``copy_`` the sum back; returns the sum."""
+    ``target`` (the sink or a slice of it) and write the sum back; returns a node reading ``target``
+    as written, for fold_norm.
+
+    The whole sink is written with ``_foreach_copy_``, which inductor lowers by computing the sum
+    straight into the sink. Its ``copy_`` lowering instead first materialises a sum that reads
+    several buffers in a buffer of its own and copies that: a write and a read of the whole shard
+    more, per engine and backward. A slice of the sink (ZeRO-3) keeps ``copy_``."""
     if ps.comm_dtype != ps.accum_dtype:
         delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype), engine=ps.name,
                          why=f"upcast reduced shard to {ps.accum_dtype}")
@@ -57,8 +63,11 @@ def _add_into(ins: Inserter, ps: ParamSet, target: fx.Node, delta: fx.Node, scal
         delta = ins.call(aten.mul.Tensor, (delta, scale), engine=ps.name,
                          why=f"average: 1/(world {ps.world_size} x gas)")
     total = ins.call(aten.add.Tensor, (target, delta), engine=ps.name, why=f"accumulate into {what}")
-    ins.call(aten.copy_.default, (target, total), engine=ps.name, why=f"write {what}, which step() reads")
-    return total
+    why = f"write {what}, which step() reads"
+    if target.op != "placeholder":
+        return ins.call(aten.copy_.default, (target, total), engine=ps.name, why=why)
+    ins.call(aten._foreach_copy_.default, ([target], [total]), engine=ps.name, why=why)
+    return ins.call(aten.alias.default, (target,), engine=ps.name, why=f"{what} as written")
 
 
 def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, sink: fx.Node,
@@ -138,6 +147,8 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             ctx.accumulated[(ps, g)] = _add_into(ins, ps, sink, delta, scale, f"the {ps.accum_dtype} shard")
         ctx.count(ps, "fp32_accumulate", len(ctx.grads_of(ps, g)))
     drop_outputs(gm, [grad.slot for grad in ctx.grads])
-    graph.eliminate_dead_code()
+    # the shards as written have no reader until fold_norm: keep them
+    readers = set(ctx.accumulated.values())
+    graph.eliminate_dead_code(is_impure_node=lambda n: n in readers or n.is_impure())
     gm.recompile()
     return gm
