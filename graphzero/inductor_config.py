@@ -10,7 +10,9 @@ Its comm/compute overlap passes are switches in ``torch._inductor.config``:
   unrelated earlier kernels and waits on each collective right after issuing it.
 - ``reorder_for_peak_memory`` (on by default): reorders nodes to lower the estimated peak. Off
   for graphs with ZeRO-3 gathers (``inductor_patch``): it moved each gather next to its wait, so no
-  gather overlapped compute; bucket_gathers already bounds what is live by DeepSpeed's knobs.
+  gather overlapped compute; bucket_gathers already bounds what is live by DeepSpeed's knobs. Off
+  for every backward too: it moved the matmuls that write_into_bucket points into a bucket after
+  the rest of the backward, and the bucket's collective with them (nothing overlapped it).
 - ``aten_distributed_optimizations.enable_simple_overlap`` (torch 2.14 and 2.15, on by default;
   pytorch #184235/#184240): moves collectives earlier and waits later by adjacent swaps. Its guard
   against reordering collectives sees only inductor's own collective kernels, and it hung ranks
@@ -57,11 +59,13 @@ def inductor_patch(*, backward: bool, overlap: bool, gathers: bool) -> dict[str,
     ``backward``: the backward graph; ``overlap``: graphzero's ``overlap`` option; ``gathers``: the
     graph holds ZeRO-3 parameter gathers."""
     patch = pinned()
-    if gathers and has_option(PEAK_MEMORY):
+    if (gathers or backward) and has_option(PEAK_MEMORY):
         # bucket_gathers issues each gather bucket before the previous one's wait, within what
         # DeepSpeed's stage3 knobs allow to be live; inductor's peak-memory reordering undid it (it
         # moved the next engine's gather after the first engine's wait, and that wait to right after
-        # its gather: the ZeRO-3 mlp forward took 22 ms instead of 18, nothing overlapped).
+        # its gather: the ZeRO-3 mlp forward took 22 ms instead of 18, nothing overlapped). In a
+        # backward it moved the in-place matmuls of write_into_bucket, which it sees as writes into
+        # a buffer that is live anyway, after every other kernel, and the collectives with them.
         patch[PEAK_MEMORY] = False
     if backward and overlap and not gathers:
         # Not with ZeRO-3 gathers: their passes place every wait, and sinking the reduce-scatters'

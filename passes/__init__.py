@@ -28,6 +28,7 @@ from .release import release
 from .schedule import schedule_overlap
 from .sum_shard_grads import sum_shard_grads
 from .wait_params import wait_params
+from .write_into_bucket import write_into_bucket
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -37,9 +38,10 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 #   drops their buckets, or feeds the local sum to them) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
 #   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
 #   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits;
-#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum) last, where the waits stand.
+#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum), where the waits stand;
+#   write_into_bucket (matmul gradients computed into the bucket) last: nothing after it looks for a cat.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
-                              fold_norm, schedule_overlap, lower_reduce_scatter)
+                              fold_norm, schedule_overlap, lower_reduce_scatter, write_into_bucket)
 # release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
 # saves their shards, not the parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
@@ -98,4 +100,5 @@ __all__ = [
     "schedule_overlap",
     "sum_shard_grads",
     "wait_params",
+    "write_into_bucket",
 ]

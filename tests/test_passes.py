@@ -49,7 +49,7 @@ def targets(gm: fx.GraphModule, op) -> list[fx.Node]:
 def test_pipeline_order_is_declared_once():
     assert [p.__name__ for p in PIPELINE] == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter",
                                               "fp32_accumulate", "fold_norm", "schedule_overlap",
-                                              "lower_reduce_scatter"]
+                                              "lower_reduce_scatter", "write_into_bucket"]
 
 
 def test_buckets_cover_where_gradients_land_and_every_rank_gets_its_chunk():
@@ -271,3 +271,63 @@ def test_release_reduces_each_gradient_plus_what_was_held():
 
 def output_values(gm: fx.GraphModule) -> list:
     return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+
+
+def test_matmul_gradients_are_written_into_the_bucket():
+    # A Linear weight's gradient is a matmul; write_into_bucket computes it in place in the bucket
+    # instead of copying it in: a (6, 5) straddling both shards, b a plain gradient, c a weight
+    # used twice (mm + mm).
+    shapes, offsets, numel = [(6, 5), (7,), (4, 4)], [0, 30, 40], 56
+    fake = FakeTensorMode()
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    ps = ParamSet(name="disc", stage=2, groups=(FlatGroup(tuple(params), ("a", "b", "c"), tuple(offsets), numel, True),),
+                  process_group=None, group_name="7", world_size=2, rank=1, comm_dtype=torch.float32,
+                  accum_dtype=torch.float32, bucket_numel=10**9, grad_scale=0.25, backend="gloo", sinks=list)
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    inputs = {name: graph.placeholder(name) for name in ("x", "y", "b_grad", "p", "q", "r", "s")}
+    shape_of = {"x": (2, 6), "y": (2, 5), "b_grad": (7,), "p": (3, 4), "q": (3, 4), "r": (2, 4), "s": (2, 4)}
+    for name, node in inputs.items():
+        with fake:
+            node.meta["val"] = torch.empty(shape_of[name])
+
+    def call(target, *args):
+        node = graph.call_function(target, args)
+        with fake:
+            node.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return node
+
+    def weight_grad(g, x):
+        return call(aten.mm.default, call(aten.permute.default, g, [1, 0]), x)
+
+    a_grad = weight_grad(inputs["x"], inputs["y"])
+    c_grad = call(aten.add.Tensor, weight_grad(inputs["p"], inputs["q"]), weight_grad(inputs["r"], inputs["s"]))
+    out = graph.output((a_grad, inputs["b_grad"], c_grad))
+    out.meta["desc"] = [GradAOTOutput(grad_of=PlainAOTInput(idx=i)) for i in range(3)]
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    ctx = PassContext(Ownership.build(params, [ps]), fake)
+    gm = run_pipeline(gm, ctx)
+
+    assert not targets(gm, aten.mm.default) and not targets(gm, aten.cat.default)
+    writes = targets(gm, aten.addmm_.default)
+    assert [w.kwargs["beta"] for w in writes] == [0, 0, 1]
+    (bucket,) = targets(gm, aten.empty.memory_format)
+    assert all(w.args[0].args[0].args[0] is bucket for w in writes)   # view(slice(bucket))
+
+    c10d = torch.ops._c10d_functional
+    (a2a,) = targets(gm, c10d.all_to_all_single.default)
+    peer = torch.randn(numel)
+    a2a.target = lambda x, out_splits, in_splits, group: peer[28:].clone()
+    for wait in targets(gm, c10d.wait_tensor.default):
+        wait.target = lambda x: x
+    gm.recompile()
+    values = {name: torch.randn(shape_of[name]) for name in inputs}
+    sink = torch.zeros(28)
+    runtime = {"sink": sink, "scale": torch.tensor(1.0), "norm": torch.zeros(1)}
+    gm(*values.values(), *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    v = values
+    grads = [v["x"].t() @ v["y"], v["b_grad"], v["p"].t() @ v["q"] + v["r"].t() @ v["s"]]
+    flat = torch.zeros(numel)
+    for g, offset in zip(grads, offsets):
+        flat[offset:offset + g.numel()] = g.reshape(-1)
+    torch.testing.assert_close(sink, flat[28:] + peer[28:])
