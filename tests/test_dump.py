@@ -65,7 +65,7 @@ def test_dump_summary_matches_models_and_cli_renders_it(ranks):
         assert e["comm_bytes_by_dtype"] == {"float32": e["comm_bytes_per_step"]}
     passes = [p["name"] for p in graph["passes"]]
     assert passes == ["annotate_owner", "bucket", "local_accumulate", "insert_reduce_scatter", "fp32_accumulate",
-                      "fold_norm", "schedule_overlap", "lower_reduce_scatter"]
+                      "fold_norm", "schedule_overlap", "lower_reduce_scatter", "write_into_bucket"]
     inserted = {n["engine"] for p in graph["passes"] for n in p["inserted"]}
     assert inserted == {"generator", "critic"}
     code = (root / graph["id"] / "backward" / "007_schedule_overlap.py").read_text()
