@@ -47,7 +47,7 @@ def _flattened(pieces: list[fx.Node], i: int) -> tuple[fx.Node, int] | None:
         return None
     if piece.target in _FLATTEN:
         return (piece, 1) if _single_user(piece) else None
-    if piece.target is not aten.slice.Tensor or piece.args[1:3] != (0, 0):
+    if piece.target is not aten.slice.Tensor:
         return None
     flat = piece.args[0]
     if not isinstance(flat, fx.Node) or flat.target not in _FLATTEN:
@@ -61,9 +61,9 @@ def _flattened(pieces: list[fx.Node], i: int) -> tuple[fx.Node, int] | None:
     return (flat, n) if cursor == numel and len(flat.users) == n else None
 
 
-def _matmuls(flat: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """``(result, [mm, ...])`` when ``flat`` flattens ``result``, a matmul (or the sum of two) that
-    only ``flat`` reads; None otherwise."""
+def _matmuls(flat: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(result, [mm, ...])`` when ``flat`` flattens ``result``, a matmul (or the sum of two, in
+    graph ``order``) that only ``flat`` reads; None otherwise."""
     result = flat.args[0]
     if not isinstance(result, fx.Node) or not _single_user(result):
         return None
@@ -71,7 +71,7 @@ def _matmuls(flat: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
         mms = [result]
     elif (result.target is aten.add.Tensor and not result.kwargs and len(result.args) == 2
           and all(isinstance(x, fx.Node) and x.target is aten.mm.default and _single_user(x) for x in result.args)):
-        mms = sorted(result.args, key=lambda n: list(n.graph.nodes).index(n))
+        mms = sorted(result.args, key=order.__getitem__)
     else:
         return None
     val = result.meta["val"]
@@ -86,12 +86,13 @@ def _write_into(gm: fx.GraphModule, ctx: PassContext, cat: fx.Node) -> bool:
     for piece in pieces:
         offsets.append(cursor)
         cursor += piece.meta["val"].numel()
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     # first piece -> (flattening view, pieces it spans, matmul result, its mm nodes)
     matched: dict[int, tuple[fx.Node, int, fx.Node, list[fx.Node]]] = {}
     i = 0
     while i < len(pieces):
         run = _flattened(pieces, i)
-        found = _matmuls(run[0]) if run is not None else None
+        found = _matmuls(run[0], order) if run is not None else None
         if run is not None and found is not None:
             matched[i] = (run[0], run[1], *found)
         i += run[1] if run is not None else 1
@@ -99,7 +100,6 @@ def _write_into(gm: fx.GraphModule, ctx: PassContext, cat: fx.Node) -> bool:
         return False
     engine = cat.meta["graphzero"]["engine"]
     val = cat.meta["val"]
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     first = min((mms[0] for *_, mms in matched.values()), key=order.__getitem__)
     ins = Inserter(gm, ctx, PASS, after=first.prev)
     bucket = ins.call(aten.empty.memory_format, ([val.numel()],),
