@@ -21,7 +21,7 @@ from . import deepspeed_adapter, early_attach, local_accumulation, pending_backw
 from .autograd_semantics import AccumulationProbe
 from .dump import GraphDump
 from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
-from .inductor_config import inductor_patch
+from .inductor_config import inductor_patch, register_lowerings
 from .inductor_guards import backward_patches as inductor_guard_patches
 from .inductor_guards import device_type_of
 from .options import Options
@@ -305,6 +305,8 @@ class BackwardWithRuntimeInputs:
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    register_lowerings()
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if not kwargs.get("is_backward"):

@@ -74,6 +74,24 @@ def inductor_patch(*, backward: bool, overlap: bool, gathers: bool) -> dict[str,
     return patch
 
 
+def register_lowerings() -> None:
+    """Give inductor an explicit lowering for the ATen ops graphzero's passes add after AOT autograd.
+
+    ``aten.addmm_`` (write_into_bucket: a matmul written into its bucket) has no inductor lowering;
+    inductor falls back to the ATen kernel on first sight, except where the environment variable
+    ``CI`` is set: there its own check refuses an implicit fallback for an op that has a
+    decomposition (addmm_ decomposes into addmm + copy_, the very copy the pass removes), and every
+    ZeRO-1/2 backward failed to compile (GitHub Actions and most CI systems set ``CI=true``). This
+    registers the fallback inductor would register itself, with the same layout constraint (inputs
+    made contiguous, as for every implicit backward fallback); once per process, in inductor's own
+    lowering table, as inductor's implicit fallback does."""
+    from torch._inductor import lowering
+
+    op = torch.ops.aten.addmm_.default
+    if op not in lowering.lowerings:
+        lowering.make_fallback(op, layout_constraint=lowering.require_contiguous, warn=False)
+
+
 #: option -> the value graphzero compiles with, where this torch has the option.
 PINNED: dict[str, Any] = {
     # torch 2.13-2.15: with the pass list inductor's config recommends, a ZeRO-3 backward's
