@@ -50,4 +50,4 @@ bench: install
 	$(VENV)/bin/graphzero-compare --model mlp --stage 2 --json bench-mlp-z2.json
 
 clean:
-	rm -rf $(VENV) $(DEMO_DUMP) *.egg-info
+	rm -rf $(VENV) $(DEMO_DUMP) *.egg-info .cache

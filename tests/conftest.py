@@ -2,6 +2,13 @@ import os
 import pathlib
 import time
 
+# Inductor's caches per checkout, not the machine-wide /tmp/torchinductor_<user>: a cache hit
+# skips lowering, so a graph compiled by another run on this machine (`make demo`, an older
+# checkout) hid that inductor refuses to lower it under CI=true (stop 25: aten.addmm_). A clean
+# clone now compiles every graph of the suite at least once. Spawned ranks inherit it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "torchinductor"))
+
 import pytest
 
 from rankpool import RankPool
