@@ -10,7 +10,10 @@ After every optimizer step (3 or more):
 - ``get_global_grad_norm()`` equal to DeepSpeed's (rtol 1e-6), and above ``gradient_clipping``
   (0.01) at the first step, so the clip is exercised;
 - the LR scheduler (WarmupLR) advanced to the same learning rate, ``global_steps`` equal;
-- bf16 (ZeRO-2, fp32 master weights): masters within 1e-6, bf16 parameters within one bf16 ulp.
+- bf16 (ZeRO-2, fp32 master weights): masters within 1e-6, bf16 parameters within one bf16 ulp;
+- fp32: each lean engine's fp32 master is its partition of the flat parameter buffer
+  (master_alias.py), DeepSpeed's own keeps a copy; ``safe_get_full_fp32_param`` reads the
+  parameters' values on both.
 
 Checkpoints: saved under graphzero's lean step and loaded into DeepSpeed eager engines, and the
 other way round, restore bitwise-identical parameters, fp32 masters and Adam state, and both
@@ -89,6 +92,8 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
             for ma, mb in zip(a.optimizer.single_partition_of_fp32_groups, b.optimizer.single_partition_of_fp32_groups):
                 torch.testing.assert_close(ma, mb, **exact, msg=lambda m, what=what: f"{what} fp32 master: {m}")
             ulp = {"rtol": 2 ** -7, "atol": 1e-6} if dtype == "bf16" else exact
+            _check_master_storage(a, aliased=dtype == "fp32", what=what)
+            _check_master_storage(b, aliased=False, what=what)
             for (pname, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
                 torch.testing.assert_close(pa, pb, **ulp, msg=lambda m, what=what, pname=pname: f"{what} {pname}: {m}")
         lrs.append(lean[next(iter(lean))].get_lr()[0])
@@ -98,6 +103,23 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
         fold = binding_of(eng).param_set.norm
         assert fold is not None and (fold.folded, fold.blocking) == (steps, 0), (name, fold.folded, fold.blocking)
     assert lrs == sorted(lrs) and lrs[0] < lrs[-1], f"the LR scheduler did not advance: {lrs}"
+
+
+def _check_master_storage(eng, aliased: bool, what: str) -> None:
+    """fp32 under the lean step: each fp32 master is this rank's partition of the flat parameter
+    buffer (master_alias.py), and DeepSpeed's fp32 fragments of each parameter
+    (``safe_get_full_fp32_param``, relinked to it) read the parameter's values; otherwise the
+    master has a storage of its own."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    opt = eng.optimizer
+    rank = dist.get_rank(group=opt.real_dp_process_group[0])
+    for i, master in enumerate(opt.single_partition_of_fp32_groups):
+        part = opt.parallel_partitioned_bit16_groups[i][rank]
+        assert (master.data_ptr() == part.data_ptr()) == aliased, f"{what}: group {i} master aliased != {aliased}"
+    for name, p in eng.module.named_parameters():
+        torch.testing.assert_close(safe_get_full_fp32_param(p), p.detach().float(), rtol=0,
+                                   atol=0 if aliased or p.dtype == torch.float32 else 2 ** -7 * p.abs().max().item(),
+                                   msg=lambda m, name=name: f"{what} safe_get_full_fp32_param({name}): {m}")
 
 
 @pytest.mark.parametrize("kind,stage,gas,dtype", [("gan", 2, 1, "fp32"), ("gan", 1, 1, "fp32"),

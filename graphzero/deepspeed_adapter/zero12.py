@@ -6,7 +6,8 @@ split into one contiguous partition per data-parallel rank. ``step()`` reads thi
 partition from ``averaged_gradients[i]``.
 
 While attached, ``optimizer.step`` is graphzero's lean step (lean_step.py) where the config
-allows (option ``lean_step``); otherwise DeepSpeed's own, with the reason logged once. With
+allows (option ``lean_step``), with fp32 masters that are this rank's partition of the flat
+parameter buffer (master_alias.py); otherwise DeepSpeed's own, with the reason logged once. With
 ``defer_param_gather`` the lean step leaves its all-gather in flight; param_sync.py makes every
 reader of the parameters wait for it.
 """
@@ -18,7 +19,7 @@ import weakref
 import torch
 
 from ..ownership import FlatGroup
-from . import lean_step
+from . import lean_step, master_alias
 from .base import DeepSpeedBinding
 from .ds_internals import _deepspeed_version
 from .ledger import PatchLedger
@@ -82,9 +83,9 @@ class ZeroBinding(DeepSpeedBinding):
                      self.name, reason)
             return
         self._fold_norm()
-        self._step_ledger.set_attr(opt, "step", lean_step.LeanStep(opt, self.name,
-                                                                    self.param_sync if self.want_defer else None,
-                                                                    self.param_set.norm))
+        step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None, self.param_set.norm)
+        self._step_ledger.set_attr(opt, "step", step)
+        master_alias.alias_masters(opt, step.rank, self._step_ledger)
 
     def _install(self, ledger: PatchLedger) -> None:
         super()._install(ledger)
