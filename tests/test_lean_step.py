@@ -13,7 +13,7 @@ After every optimizer step (3 or more):
 - bf16 (ZeRO-2, fp32 master weights): masters within 1e-6, bf16 parameters within one bf16 ulp;
 - fp32: each lean engine's fp32 master is its partition of the flat parameter buffer
   (master_alias.py), DeepSpeed's own keeps a copy; ``safe_get_full_fp32_param`` reads the
-  parameters' values on both.
+  parameters' values on both; after ``detach`` the master has its own storage, same values.
 
 Checkpoints: saved under graphzero's lean step and loaded into DeepSpeed eager engines, and the
 other way round, restore bitwise-identical parameters, fp32 masters and Adam state, and both
@@ -103,6 +103,21 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
         fold = binding_of(eng).param_set.norm
         assert fold is not None and (fold.folded, fold.blocking) == (steps, 0), (name, fold.folded, fold.blocking)
     assert lrs == sorted(lrs) and lrs[0] < lrs[-1], f"the LR scheduler did not advance: {lrs}"
+    # detach gives each master a storage of its own again, with the trained values
+    from graphzero import deepspeed_adapter
+    for name, eng in lean.items():
+        partitions = [opt_part.clone() for opt_part in _partitions(eng)]
+        deepspeed_adapter.detach(eng)
+        _check_master_storage(eng, aliased=False, what=f"{name} after detach")
+        for i, (master, part) in enumerate(zip(eng.optimizer.single_partition_of_fp32_groups, partitions)):
+            if dtype == "fp32":
+                torch.testing.assert_close(master, part, rtol=0, atol=0, msg=f"{name} group {i} master after detach")
+
+
+def _partitions(eng) -> list[torch.Tensor]:
+    opt = eng.optimizer
+    rank = dist.get_rank(group=opt.real_dp_process_group[0])
+    return [opt.parallel_partitioned_bit16_groups[i][rank] for i in range(len(opt.single_partition_of_fp32_groups))]
 
 
 def _check_master_storage(eng, aliased: bool, what: str) -> None:
@@ -111,10 +126,7 @@ def _check_master_storage(eng, aliased: bool, what: str) -> None:
     (``safe_get_full_fp32_param``, relinked to it) read the parameter's values; otherwise the
     master has a storage of its own."""
     from deepspeed.utils import safe_get_full_fp32_param
-    opt = eng.optimizer
-    rank = dist.get_rank(group=opt.real_dp_process_group[0])
-    for i, master in enumerate(opt.single_partition_of_fp32_groups):
-        part = opt.parallel_partitioned_bit16_groups[i][rank]
+    for i, (master, part) in enumerate(zip(eng.optimizer.single_partition_of_fp32_groups, _partitions(eng))):
         assert (master.data_ptr() == part.data_ptr()) == aliased, f"{what}: group {i} master aliased != {aliased}"
     for name, p in eng.module.named_parameters():
         torch.testing.assert_close(safe_get_full_fp32_param(p), p.detach().float(), rtol=0,

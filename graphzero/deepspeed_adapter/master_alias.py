@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .ds_internals import ds_attr
 from .ledger import PatchLedger
 
 
@@ -71,5 +72,5 @@ def _repoint_fragments(opt, groups: list[int]) -> None:
         for param in opt.bit16_groups[i]:
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is not None:
-                address = mapping.hp_fragment_address
+                address = ds_attr(mapping, "hp_fragment_address")
                 mapping.hp_fragment = master.narrow(0, address.start, address.numel)
