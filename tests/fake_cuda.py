@@ -7,8 +7,8 @@ would say on a GPU rank: ``cuda:0``. The collectives themselves are the real glo
 
 `FakeCuda` (a TorchFunctionMode) makes ``cuda:0`` a device tensors can be created on: a factory
 call or ``.to``/``.cuda`` asking for it runs on the CPU and the result is marked as on cuda:0;
-marked inputs mark an op's outputs (as a device propagates); a marked tensor reports
-``.device == cuda:0``. The engine's own tensors (its parameters, flat buffers, optimizer state:
+marked inputs mark an op's outputs (as a device propagates), and ``t.data = v`` gives ``t`` the
+mark of ``v``; a marked tensor reports ``.device == cuda:0``. The engine's own tensors (its parameters, flat buffers, optimizer state:
 the `roots`) count as on cuda:0, as they would be on a GPU, and DeepSpeed's accelerator names
 cuda:0 too. A tensor created without a device, or on a hard-coded CPU, stays plain CPU: exactly
 the tensors NCCL would reject.
@@ -38,6 +38,7 @@ _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "re
                 "all_gather", "reduce_scatter", "all_to_all_single", "reduce")
 _HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
 _DEVICE_GET, _IS_CUDA_GET = torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__
+_DATA_SET = torch.Tensor.data.__set__
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHZERO_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
                         for m in (__import__("graphzero"), __import__("graphzero.passes").passes))
@@ -106,6 +107,16 @@ class FakeCuda(TorchFunctionMode):
             return self.on_fake(args[0])
         if func is torch.Tensor.get_device:
             return 0 if self.on_fake(args[0]) else func(*args, **kwargs)
+        if func == _DATA_SET:
+            # ``t.data = v``: t takes v's storage, so v's device (by storage, or marked by identity)
+            target, value = args
+            fake = self.on_fake(value)
+            func(*args, **kwargs)
+            if fake:
+                self._mark(target)
+            else:
+                self._marked.pop(id(target), None)
+            return None
         if func is torch.Tensor.backward:
             # A handler runs with the mode popped, and calling backward again would come back here:
             # run the engine directly, with the mode on, so that the backward's hooks see it.
