@@ -8,8 +8,8 @@ would say on a GPU rank: ``cuda:0``. The collectives themselves are the real glo
 `FakeCuda` (a TorchFunctionMode) makes ``cuda:0`` a device tensors can be created on: a factory
 call or ``.to``/``.cuda`` asking for it runs on the CPU and the result is marked as on cuda:0;
 marked inputs mark an op's outputs (as a device propagates), and ``t.data = v`` gives ``t`` the
-mark of ``v``; a marked tensor reports ``.device == cuda:0``. The engine's own tensors (its parameters, flat buffers, optimizer state:
-the `roots`) count as on cuda:0, as they would be on a GPU, and DeepSpeed's accelerator names
+mark of ``v``; a marked tensor reports ``.device == cuda:0``. The engine's own tensors (its
+parameters, flat buffers, optimizer state: the `roots`) count as on cuda:0, as they would be on a GPU, and DeepSpeed's accelerator names
 cuda:0 too. A tensor created without a device, or on a hard-coded CPU, stays plain CPU: exactly
 the tensors NCCL would reject.
 

@@ -123,7 +123,7 @@ def _partitions(eng) -> list[torch.Tensor]:
 def _check_master_storage(eng, aliased: bool, what: str) -> None:
     """fp32 under the lean step: each fp32 master is this rank's partition of the flat parameter
     buffer (master_alias.py), and DeepSpeed's fp32 fragments of each parameter
-    (``safe_get_full_fp32_param``, relinked to it) read the parameter's values; otherwise the
+    (``safe_get_full_fp32_param``, re-made on its storage) read the parameter's values; otherwise the
     master has a storage of its own."""
     from deepspeed.utils import safe_get_full_fp32_param
     for i, (master, part) in enumerate(zip(eng.optimizer.single_partition_of_fp32_groups, _partitions(eng))):

@@ -12,9 +12,9 @@ What DeepSpeed reads stays as it was: the master tensor object, the optimizer st
 checkpoints (a load copies into the master, so into the parameters too), its own ``step()`` (its
 copy is then a tensor copied onto itself). Its ``_hp_mapping`` fragments
 (``deepspeed.utils.safe_get_full_fp32_param``) are views of the master's storage, so they are
-re-made on the new storage after each change. One difference, by design: a parameter changed in place between
-steps (``module.load_state_dict`` after ``deepspeed.initialize``) changes this rank's master with
-it; DeepSpeed would overwrite the change at the next step. Where the two copies differ when the
+re-made on the new storage after each change. One difference, by design: a parameter changed in
+place between steps (``module.load_state_dict`` after ``deepspeed.initialize``) changes this
+rank's master with it; DeepSpeed would overwrite the change at the next step. Where the two copies differ when the
 alias is made, the parameters' values are kept, so the next forward and the update see the same
 weights.
 
