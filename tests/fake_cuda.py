@@ -9,9 +9,9 @@ would say on a GPU rank: ``cuda:0``. The collectives themselves are the real glo
 call or ``.to``/``.cuda`` asking for it runs on the CPU and the result is marked as on cuda:0;
 marked inputs mark an op's outputs (as a device propagates), and ``t.data = v`` gives ``t`` the
 mark of ``v``; a marked tensor reports ``.device == cuda:0``. The engine's own tensors (its
-parameters, flat buffers, optimizer state: the `roots`) count as on cuda:0, as they would be on a GPU, and DeepSpeed's accelerator names
-cuda:0 too. A tensor created without a device, or on a hard-coded CPU, stays plain CPU: exactly
-the tensors NCCL would reject.
+parameters, flat buffers, optimizer state: the `roots`) count as on cuda:0, as they would be on
+a GPU, and DeepSpeed's accelerator names cuda:0 too. A tensor created without a device, or on a
+hard-coded CPU, stays plain CPU: exactly the tensors NCCL would reject.
 
 Every collective (the ``torch.distributed`` functions and ``_c10d_functional`` ops) records the
 devices of the tensors handed to it, the device `collective_device` names for its group, and the
