@@ -66,3 +66,11 @@ def engine_device(engine_device_attr: torch.device | str | None, params) -> torc
     for p in params:
         return p.device
     return torch.device("cpu")
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: object | None = None, async_op: bool = False):
+    """``dist.all_gather_single`` where torch has it, else ``all_gather_into_tensor`` (torch 2.13
+    renamed it; the old name now warns at every call site). Looked up per call, so a patched
+    ``torch.distributed`` (the tests' fake CUDA, a user's tracing wrapper) sees the call."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

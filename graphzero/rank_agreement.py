@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .devices import collective_device
+from .devices import all_gather_into, collective_device
 from .errors import RankDisagreementError, RankFaultError
 
 
@@ -46,7 +46,7 @@ def agree(value: int, process_group: object, what: str, timeout_s: float | None 
     mine = torch.full((1,), value, dtype=torch.int64, device=device)
     every = torch.empty(world, dtype=torch.int64, device=device)
     with collective_failures(what):
-        work = dist.all_gather_into_tensor(every, mine, group=process_group, async_op=True)
+        work = all_gather_into(every, mine, group=process_group, async_op=True)
         if timeout_s is None:
             work.wait()
         else:

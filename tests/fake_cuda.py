@@ -224,7 +224,6 @@ def reported_as_nccl(*engines):
     from deepspeed.accelerator import get_accelerator
 
     from graphzero import shard_gather
-    from graphzero.deepspeed_adapter import lean_step
 
     mode = FakeCuda(engine_tensors(*engines))
     acc = get_accelerator()
@@ -235,8 +234,6 @@ def reported_as_nccl(*engines):
         stack.enter_context(mock.patch.object(acc, "device_name", lambda index=None: "cuda:0"))
         for name in _COLLECTIVES:
             stack.enter_context(mock.patch.object(dist, name, mode.wrap_collective(getattr(dist, name), name)))
-        stack.enter_context(mock.patch.object(
-            lean_step, "_all_gather_into", mode.wrap_collective(lean_step._all_gather_into, "all_gather_single")))
         for eng in engines:
             stack.enter_context(mock.patch.object(eng, "device", FAKE))
         # The autograd engine (C++) hands graphzero's autograd.Function its output's gradient without

@@ -196,7 +196,8 @@ def persistent_gather_scenario(steps: int = 3) -> dict:
     graphzero.attach(**engines)
     step = torch.compile(gan_loss, backend="graphzero", options={"engines": engines})
     counted = {"calls": 0}
-    original = dist.all_gather_into_tensor
+    # graphzero gathers under torch's current name (devices.all_gather_into looks it up per call)
+    original = dist.all_gather_single
 
     def counting(*args, **kwargs):
         counted["calls"] += 1
@@ -211,11 +212,11 @@ def persistent_gather_scenario(steps: int = 3) -> dict:
             persistent = [p for p in eng.module.parameters() if p.ds_persist]
             assert len(persistent) >= 2, [p.ds_numel for p in persistent]
             counted["calls"] = 0
-            dist.all_gather_into_tensor = counting
+            dist.all_gather_single = counting
             try:
                 eng.step()
             finally:
-                dist.all_gather_into_tensor = original
+                dist.all_gather_single = original
             assert counted["calls"] == 1, f"step {t} {name}: {counted['calls']} all-gathers of persistent parameters"
             # DeepSpeed's resident copies, read directly (no GatheredParameters): the updated values
             for (n, p), q in zip(eng.module.named_parameters(), ref.models[name].parameters()):

@@ -56,13 +56,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 
+from ..devices import all_gather_into
 from . import master_alias
 from .ds_internals import ds_attr
 
 log = logging.getLogger("graphzero")
-
-# torch 2.13 renamed all_gather_into_tensor (which now warns on every call site) to all_gather_single.
-_all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 #: The profiler range around the parameter all-gather (an all-to-all on a gloo pair).
 PARAM_GATHER = "graphzero.param_all_gather"
@@ -334,7 +332,7 @@ class LeanStep:
                     dist.all_to_all_single(partitions[1 - rank], partitions[rank], output_split_sizes=splits,
                                            input_split_sizes=splits, group=group, async_op=defer)
                 else:
-                    _all_gather_into(flat, partitions[rank], group=group, async_op=defer)
+                    all_gather_into(flat, partitions[rank], group=group, async_op=defer)
 
     def _skip(self) -> None:
         """DeepSpeed's overflow branch: no update, gradients dropped, the norm reported as inf."""

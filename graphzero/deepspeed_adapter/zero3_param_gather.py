@@ -10,7 +10,7 @@ about 10 ms of a 26 ms ``step()``, measured with tools/profile_step.py).
 
 ``coalesced_all_gather`` replaces a parameter's ``all_gather`` while attached: the shards of the
 listed parameters that are not available yet are grouped by process group (ranks) and dtype, each
-group is concatenated and gathered with one ``all_gather_into_tensor``, and each parameter gets its
+group is concatenated and gathered with one all-gather into a tensor, and each parameter gets its
 own contiguous ``param.data`` (DeepSpeed assigns a view of a buffer per parameter) and status
 AVAILABLE, as DeepSpeed's blocking path leaves them. What it does not cover goes to DeepSpeed's own
 function: asynchronous (prefetch) calls, quantized shards, a group of one parameter, one rank.
@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..devices import all_gather_into
 from ..shard_gather import split_gathered
 
 
@@ -36,7 +37,7 @@ def _gather_group(params: list[torch.nn.Parameter], group) -> None:
     sizes = [int(p.ds_tensor.ds_numel) for p in params]
     flat = torch.cat([p.ds_tensor.reshape(-1) for p in params])
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, flat, group=group)
+    all_gather_into(gathered, flat, group=group)
     # the compiled graphs' unpacking: each parameter's shards in rank order, in storage of its own,
     # as DeepSpeed gives each gathered parameter its own buffer
     for p, full in zip(params, split_gathered(gathered, world, sizes)):
