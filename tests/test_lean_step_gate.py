@@ -40,6 +40,8 @@ def test_recorded_fingerprints_match_deepspeed_0_19_8():
     if deepspeed.__version__ != "0.19.8":
         pytest.skip(f"fingerprints are recorded for DeepSpeed 0.19.8, not {deepspeed.__version__}")
     assert lean_step.changed_mirrors() == []
+    from graphzero.deepspeed_adapter.fused_adam import ZERO3_MIRRORED
+    assert lean_step.changed_mirrors(ZERO3_MIRRORED) == [] and len(ZERO3_MIRRORED) == 2
     assert UNSCALE in lean_step.MIRRORED and len(lean_step.MIRRORED) >= 10
 
 

@@ -57,16 +57,13 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 
 from ..devices import all_gather_into
-from . import master_alias
+from . import fused_adam, master_alias
 from .ds_internals import ds_attr
 
 log = logging.getLogger("graphzero")
 
 #: The profiler range around the parameter all-gather (an all-to-all on a gloo pair).
 PARAM_GATHER = "graphzero.param_all_gather"
-
-# Base optimizers whose update this module runs through torch's fused kernel.
-_TORCH_ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 #: What this module re-implements, as ``module:qualname`` -> `fingerprint` of its source in
@@ -164,12 +161,12 @@ def unsupported_reason(engine) -> str | None:
         if bad:
             return what
     base = opt.optimizer
-    fused_adam = _fused_adam_class()
-    if type(base) in _TORCH_ADAMS:
-        for group in base.param_groups:
-            if group.get("differentiable") or group.get("capturable"):
-                return f"{type(base).__name__} with differentiable or capturable"
-    elif fused_adam is None or type(base) is not fused_adam:
+    ds_fused_adam = _fused_adam_class()
+    if type(base) in fused_adam.TORCH_ADAMS:
+        reason = fused_adam.base_unsupported_reason(base)
+        if reason is not None:
+            return reason
+    elif ds_fused_adam is None or type(base) is not ds_fused_adam:
         return f"base optimizer {type(base).__name__} (lean step: torch Adam/AdamW, DeepSpeed FusedAdam)"
     # The all-gather writes bit16_groups_flat: the parameters must be views of it.
     for flat, params in zip(opt.bit16_groups_flat, opt.round_robin_bit16_groups):
@@ -189,7 +186,7 @@ class LeanStep:
         self.folded = folded
         # a ParamSync: leave the all-gather in flight, wait through it; None: wait here
         self.deferred = deferred
-        self.torch_adam = type(optimizer.optimizer) in _TORCH_ADAMS
+        self.torch_adam = type(optimizer.optimizer) in fused_adam.TORCH_ADAMS
         self.world = [dist.get_world_size(group=g) for g in optimizer.real_dp_process_group]
         self.rank = [dist.get_rank(group=g) for g in optimizer.real_dp_process_group]
         # per group: the all-gather as a pairwise all-to-all (the same choice on every rank of a group)
@@ -285,31 +282,7 @@ class LeanStep:
             opt._optimizer_step(i)
             fp32.grad = None
             return
-        base = opt.optimizer
-        group = base.param_groups[i]
-        state = base.state[fp32]
-        if not state:
-            # As torch.optim.Adam._init_group creates it (non-fused, non-capturable layout), so
-            # DeepSpeed's own step and checkpoints find the same tensors.
-            from torch.optim.optimizer import _get_scalar_dtype
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-            state["exp_avg"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
-        step = state["step"]
-        step += 1
-        # The fused kernel wants the step on the parameter's device (torch keeps it on the CPU). A fill,
-        # not step.to(device): a pageable host-to-GPU copy synchronises the host every step.
-        device_step = step if step.device == fp32.device else torch.full(
-            (), float(step), dtype=step.dtype, device=fp32.device)
-        beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
-        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-        kernel([fp32.data], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-               [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [device_step],
-               amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-               grad_scale=divisor, found_inf=None)
+        fused_adam.update(opt.optimizer, i, fp32, grad, divisor)
 
     def _all_gather(self) -> None:
         opt = self.opt
@@ -352,5 +325,6 @@ class LeanStep:
 
 
 if __name__ == "__main__":   # print the fingerprints of the installed DeepSpeed (see MIRRORED)
-    for _path in MIRRORED:
+    from .fused_adam import ZERO3_MIRRORED
+    for _path in {**MIRRORED, **ZERO3_MIRRORED}:
         print(f"    {_path!r}:\n        {fingerprint(_resolve(_path))!r},")

@@ -38,7 +38,7 @@ from .. import rank_agreement
 from ..errors import UnsupportedConfigError
 from ..held_gradients import HeldGradients
 from ..ownership import FlatGroup
-from . import zero3_module
+from . import fused_adam, zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
@@ -96,7 +96,39 @@ class Zero3Binding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
         self._installed_lists: dict[int, list] = {}
         self._stale = False
+        self.want_fused_update = True
+        # The update is re-chosen by configure_step while attached: its own ledger, undone first.
+        self._update_ledger = PatchLedger(f"engine {name!r} optimizer update")
         super().__init__(engine, name)
+
+    # -- the optimizer update -----------------------------------------------------------------
+    def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
+        """``lean_step`` at ZeRO-3: DeepSpeed's step with its clip and base-optimizer call fused
+        (fused_adam.py), or False: DeepSpeed's step untouched. No deferred gather at ZeRO-3."""
+        if lean is not None:
+            self.want_fused_update = lean
+        if self.installed:
+            self._install_update()
+
+    @property
+    def fused_update(self) -> fused_adam.Zero3FusedUpdate | None:
+        """The fused update standing in for the optimizer's clip and base step, if any."""
+        owner = getattr(self.engine.optimizer.__dict__.get("_optimizer_step"), "__self__", None)
+        return owner if isinstance(owner, fused_adam.Zero3FusedUpdate) else None
+
+    def _install_update(self) -> None:
+        self._update_ledger.undo()
+        if not self.want_fused_update:
+            return
+        opt = self.engine.optimizer
+        reason = fused_adam.zero3_unsupported_reason(opt)
+        if reason is not None:
+            log.info("engine %r: DeepSpeed's own optimizer update (graphzero's fused update does not cover %s)",
+                     self.name, reason)
+            return
+        update = fused_adam.Zero3FusedUpdate(opt)
+        self._update_ledger.set_attr(opt, "unscale_and_clip_grads", update.unscale_and_clip_grads)
+        self._update_ledger.set_attr(opt, "_optimizer_step", update.optimizer_step)
 
     # -- layout and buffers -------------------------------------------------------------------
     def _process_groups(self) -> list:
@@ -223,6 +255,8 @@ class Zero3Binding(DeepSpeedBinding):
         # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
         self._install_folded_norm(ledger)
+        ledger.on_undo(self._update_ledger.undo, "the optimizer update")
+        self._install_update()
 
     def _install_folded_norm(self, ledger: PatchLedger) -> None:
         """Graphs compiled from now on fold the squared gradient norm into the backward
