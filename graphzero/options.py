@@ -34,7 +34,8 @@ class Options:
         group's own timeout.
     lean_step: ZeRO-1/2 engines' ``optimizer.step()`` runs graphzero's lean step (one norm
         all-reduce, clip, fused Adam, copy, all-gather; deepspeed_adapter/lean_step.py) where the
-        config allows, DeepSpeed's own otherwise. None (default): on, or as an earlier
+        config allows, DeepSpeed's own otherwise; ZeRO-3 engines keep DeepSpeed's step with its
+        clip and torch Adam call fused (deepspeed_adapter/fused_adam.py). None (default): on, or as an earlier
         compile/attach of the engine set it; False: DeepSpeed's own step.
     defer_param_gather: the lean step launches the all-gather of the updated parameters without
         waiting; the next graphzero forward waits for it just before first use, and module calls,
