@@ -73,8 +73,8 @@ def update(base, index: int, fp32: torch.Tensor, grad: torch.Tensor, divisor: to
 
 
 def zero3_unsupported_reason(opt) -> str | None:
-    """Why `Zero3FusedUpdate` cannot stand in for this ZeRO-3 optimizer's update; None if it can."""
-    from .lean_step import changed_mirrors
+    """Why `Zero3FusedUpdate` cannot stand in for this ZeRO-3 optimizer's update; None if it can
+    (the caller also checks ``ZERO3_MIRRORED`` with lean_step.changed_mirrors)."""
     checks = (
         (ds_attr(opt, "offload_optimizer") or ds_attr(opt, "swap_optimizer"), "optimizer offload"),
         (ds_attr(opt, "zenflow"), "ZenFlow"),
@@ -85,13 +85,7 @@ def zero3_unsupported_reason(opt) -> str | None:
     for bad, what in checks:
         if bad:
             return what
-    reason = base_unsupported_reason(opt.optimizer)
-    if reason is not None:
-        return reason
-    changed = changed_mirrors(ZERO3_MIRRORED)
-    if changed:
-        return "a DeepSpeed whose " + ", ".join(changed) + " differ from 0.19.8's"
-    return None
+    return base_unsupported_reason(opt.optimizer)
 
 
 class Zero3FusedUpdate:

@@ -38,7 +38,7 @@ from .. import rank_agreement
 from ..errors import UnsupportedConfigError
 from ..held_gradients import HeldGradients
 from ..ownership import FlatGroup
-from . import fused_adam, zero3_module
+from . import fused_adam, lean_step, zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
@@ -122,6 +122,9 @@ class Zero3Binding(DeepSpeedBinding):
             return
         opt = self.engine.optimizer
         reason = fused_adam.zero3_unsupported_reason(opt)
+        changed = lean_step.changed_mirrors(fused_adam.ZERO3_MIRRORED)
+        if reason is None and changed:
+            reason = "a DeepSpeed whose " + ", ".join(changed) + " differ from 0.19.8's"
         if reason is not None:
             log.info("engine %r: DeepSpeed's own optimizer update (graphzero's fused update does not cover %s)",
                      self.name, reason)
