@@ -2,19 +2,23 @@
 
 Spawning ranks and initialising DeepSpeed is slow, so one pool serves the whole session: a test
 sends a module-level function; every rank runs it and sends back its result or traceback. A
-scenario that fails or times out restarts the pool, since its ranks may be stuck in a collective.
+scenario that fails or times out restarts the pool, since its ranks may be stuck in a collective;
+the peers of a rank that failed are waited for only a little longer than the pool's process-group
+timeout, since groups that DeepSpeed makes wait 30 minutes.
 """
 from __future__ import annotations
 
 import datetime
 import faulthandler
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pathlib
 import shutil
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -22,6 +26,8 @@ from typing import Any
 
 WORLD_SIZE = 2
 RENDEZVOUS_S = 300  # seconds for every rank to reach the process-group rendezvous
+#: A scenario's default time limit: under pytest-timeout's 600 s, so that the pool restarts first.
+SCENARIO_TIMEOUT_S = 540
 
 
 def _free_port() -> int:
@@ -72,9 +78,11 @@ class ScenarioFailed(AssertionError):
 
 
 class RankPool:
-    def __init__(self, world_size: int = WORLD_SIZE, pg_timeout_s: float = 90) -> None:
+    def __init__(self, world_size: int = WORLD_SIZE, pg_timeout_s: float = 90, failed_peer_grace_s: float = 60) -> None:
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
+        # how long the peers of a failed rank get beyond the process-group timeout to answer
+        self.failed_peer_wait_s = pg_timeout_s + failed_peer_grace_s
         self._procs: list = []
         self._conns: list = []
         self._fault_logs: list[pathlib.Path] = []
@@ -94,7 +102,7 @@ class RankPool:
             self._procs.append(p)
             self._conns.append(parent)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = SCENARIO_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results or raise with tracebacks."""
         outcomes = self.run_each(fn, *args, timeout=timeout, **kwargs)
         if any(status == "crashed" for status, _ in outcomes):
@@ -113,7 +121,7 @@ class RankPool:
             raise ScenarioFailed(f"{fn.__qualname__} failed:\n" + _describe(outcomes))
         return [value for _, value in outcomes]
 
-    def run_each(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> list[tuple]:
+    def run_each(self, fn: Callable[..., Any], *args: Any, timeout: float = SCENARIO_TIMEOUT_S, **kwargs: Any) -> list[tuple]:
         """Like run, but return each rank's ``(status, value)``: "ok", "error" (a traceback), "died"
         (exited), "crashed" (killed by a signal: its faulthandler log) or "timeout" (a message); for
         scenarios in which a rank fails on purpose."""
@@ -121,24 +129,40 @@ class RankPool:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        outcomes: list[tuple] = []
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-        for rank, conn in enumerate(self._conns):
-            remaining = (deadline - datetime.datetime.now()).total_seconds()
-            if not conn.poll(max(remaining, 0)):
-                outcomes.append(("timeout", f"no answer within {timeout} s"))
-                continue
-            try:
-                outcomes.append(conn.recv())
-            except EOFError:
-                self._procs[rank].join(timeout=5)
-                code = self._procs[rank].exitcode
-                if code is not None and code < 0:
-                    log = _tail(self._fault_logs[rank])
-                    outcomes.append(("crashed", f"worker killed by signal {-code}; its faulthandler log:\n{log}"))
-                else:
-                    outcomes.append(("died", f"worker died (exit code {code})"))
-        return outcomes
+        outcomes: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        # Once a rank has failed, its peers are most likely stuck in a collective with it (the
+        # process group of a DeepSpeed engine waits 30 minutes): wait for them for one pool timeout
+        # and a margin, not until the deadline, so that the pool is restarted before pytest-timeout
+        # ends the test and leaves the next test a stuck pool.
+        failed_at: float | None = None
+        while len(outcomes) < len(self._conns):
+            limit = deadline if failed_at is None else min(deadline, failed_at + self.failed_peer_wait_s)
+            waiting = {conn: rank for rank, conn in enumerate(self._conns) if rank not in outcomes}
+            ready = mp_connection.wait(list(waiting), timeout=max(limit - time.monotonic(), 0))
+            if not ready:
+                why = (f"no answer within {timeout} s" if failed_at is None else
+                       f"no answer within {self.failed_peer_wait_s:.0f} s of a peer's failure "
+                       "(probably waiting for it in a collective)")
+                outcomes.update({rank: ("timeout", why) for rank in waiting.values()})
+                break
+            for conn in ready:
+                rank = waiting[conn]
+                outcomes[rank] = self._receive(rank, conn)
+                if outcomes[rank][0] != "ok" and failed_at is None:
+                    failed_at = time.monotonic()
+        return [outcomes[rank] for rank in range(len(self._conns))]
+
+    def _receive(self, rank: int, conn) -> tuple:
+        try:
+            return conn.recv()
+        except EOFError:
+            self._procs[rank].join(timeout=5)
+            code = self._procs[rank].exitcode
+            if code is not None and code < 0:
+                log = _tail(self._fault_logs[rank])
+                return ("crashed", f"worker killed by signal {-code}; its faulthandler log:\n{log}")
+            return ("died", f"worker died (exit code {code})")
 
     def close(self, force: bool = False) -> None:
         for conn in self._conns:

@@ -1,11 +1,15 @@
-"""The rank pool's handling of a native crash (a rank killed by a signal): the failure quotes the
-rank's faulthandler stacks, the scenario is rerun once on a fresh pool, and a crash the rerun gets
-past is recorded and warned about, while one that comes back fails the test (own 2-rank pool)."""
+"""The rank pool's handling of failures (own 2-rank pools). A native crash (a rank killed by a
+signal): the failure quotes the rank's faulthandler stacks, the scenario is rerun once on a fresh
+pool, and a crash the rerun gets past is recorded and warned about, while one that comes back fails
+the test. A rank that raises while its peer waits for it in a collective with a long timeout: the
+failure comes soon after the pool's own timeout, and the next scenario gets a fresh pool."""
 from __future__ import annotations
 
+import datetime
 import os
 import pathlib
 import signal
+import time
 
 import pytest
 import torch.distributed as dist
@@ -55,3 +59,29 @@ def test_a_native_crash_that_comes_back_fails(tmp_path):
     message = str(failure.value)
     assert "killed by signal 11" in message and "a rerun on a fresh pool failed too" in message, message
     assert pool.native_crashes == []
+
+
+def one_rank_fails_scenario() -> int:
+    """Rank 1 raises; rank 0 waits for it in a barrier on a group that waits 30 minutes (as the
+    groups that DeepSpeed makes do)."""
+    rank, _ = rank_world()
+    group = dist.new_group(timeout=datetime.timedelta(minutes=30))
+    if rank == 1:
+        raise AssertionError("rank 1 fails on purpose")
+    dist.barrier(group=group)
+    return rank
+
+
+def test_a_rank_failure_does_not_leave_its_peer_stuck():
+    pool = RankPool(pg_timeout_s=10, failed_peer_grace_s=5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ScenarioFailed) as failure:
+            pool.run(one_rank_fails_scenario, timeout=240)
+        waited = time.monotonic() - start
+        assert pool.run(rank_world) == [(0, 2), (1, 2)]  # a fresh pool, not the stuck one
+    finally:
+        pool.close(force=True)
+    message = str(failure.value)
+    assert "rank 1 fails on purpose" in message and "of a peer's failure" in message, message
+    assert waited < 120, f"the failure took {waited:.0f} s"
