@@ -148,9 +148,7 @@ def test_lean_step_with_deepspeed_fused_adam(ranks):
     ranks.run(lean_vs_deepspeed_scenario, "gan", 2, 1, "fp32", fused_adam=True)
 
 
-# -- checkpoints across runtimes ------------------------------------------------------------------
-# One engine: DeepSpeed eager runs it with engine.backward (several engines in one eager loss
-# follow DeepSpeed's own multi-engine rules, which are not what this test is about).
+# -- ZeRO-3: the fused update against DeepSpeed's step -----------------------------------------
 def _zero3_real_elements(params, rank: int) -> torch.Tensor:
     """Mask of the elements of these ZeRO-3 parameters' concatenated shards that hold parameter
     values: DeepSpeed leaves the padding of the last ranks' shards uninitialised (torch.empty in
@@ -206,6 +204,9 @@ def test_zero3_fused_update_matches_deepspeed_step(ranks):
     ranks.run(zero3_fused_vs_deepspeed_scenario)
 
 
+# -- checkpoints across runtimes ------------------------------------------------------------------
+# One engine: DeepSpeed eager runs it with engine.backward (several engines in one eager loss
+# follow DeepSpeed's own multi-engine rules, which are not what this test is about).
 def single_loss(models, x):
     return 10 * models["m"](x).square().mean()
 

@@ -122,8 +122,8 @@ class Zero3Binding(DeepSpeedBinding):
             return
         opt = self.engine.optimizer
         reason = fused_adam.zero3_unsupported_reason(opt)
-        changed = lean_step.changed_mirrors(fused_adam.ZERO3_MIRRORED)
-        if reason is None and changed:
+        changed = [] if reason is not None else lean_step.changed_mirrors(fused_adam.ZERO3_MIRRORED)
+        if changed:
             reason = "a DeepSpeed whose " + ", ".join(changed) + " differ from 0.19.8's"
         if reason is not None:
             log.info("engine %r: DeepSpeed's own optimizer update (graphzero's fused update does not cover %s)",
