@@ -90,6 +90,9 @@ class ParamSet:
     frozen_shards: Callable[[], dict[int, tuple[str, bool]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
+    # ZeRO-3: whether a gather bucket is issued before the previous bucket's wait (prefetch depth
+    # one) or at its own use (the engine's config turned prefetching off)
+    gather_ahead: bool = True
     # ZeRO-3: how far ahead (elements) DeepSpeed keeps a parameter gathered for its next use: a
     # parameter whose backward use comes within it stays gathered from the forward (release.py);
     # 0: every parameter is gathered again in backward

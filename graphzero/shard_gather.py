@@ -34,11 +34,32 @@ class _GatherShard(torch.autograd.Function):
         return shard, None, None, None, None
 
 
+class _GatherShardLocalGrad(torch.autograd.Function):
+    """The same gather; its full gradient goes, unreduced, to ``proxy`` (a full-shape leaf)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, proxy: torch.Tensor, numel: int, shape: tuple[int, ...], world: int,
+                group_name: str):
+        full = c10d.wait_tensor(c10d.all_gather_into_tensor(shard.contiguous(), world, group_name))
+        return full[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad, None, None, None, None
+
+
 def gather_shard(shard: torch.Tensor, numel: int, shape: tuple[int, ...], world: int,
                  group_name: str) -> torch.Tensor:
     """The full parameter (``shape``) from every rank's ``shard``; its gradient flows back to the
     shard as the rank-summed reduce-scatter."""
     return _GatherShard.apply(shard, numel, tuple(shape), world, group_name)
+
+
+def gather_shard_local_grad(shard: torch.Tensor, proxy: torch.Tensor, numel: int, shape: tuple[int, ...],
+                            world: int, group_name: str) -> torch.Tensor:
+    """The full parameter from every rank's ``shard``, its gradient this rank's own (not reduced,
+    as autograd gives a parameter no engine reduces), accumulated into ``proxy``'s ``.grad``."""
+    return _GatherShardLocalGrad.apply(shard, proxy, numel, tuple(shape), world, group_name)
 
 
 @torch.library.custom_op("graphzero::split_gathered", mutates_args=())

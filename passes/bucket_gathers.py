@@ -16,7 +16,8 @@ and erases the per-parameter gathers. A flat concatenation rather than
 ``all_gather_into_tensor_coalesced``: both work on gloo and under inductor on CPU, and the flat one
 measured faster there (one gloo collective; see the issue note).
 
-Placement (prefetch depth one, across engines): bucket k's collective is issued just before bucket
+Placement (prefetch depth one, across engines; an engine with ``ParamSet.gather_ahead`` off, DeepSpeed's
+``stage3_prefetch_bucket_size: 0``, issues each of its buckets just before its wait instead): bucket k's collective is issued just before bucket
 k-1's wait, whichever engines they belong to (so the second engine's first gather is in flight while
 the first engine computes), its wait sits just before the first use of its first member, and the
 members are unpacked right there, so the flat gathered buffer dies at once. The live gathered
@@ -120,11 +121,15 @@ def _bucket(gm: fx.GraphModule, ctx: PassContext, side: str) -> fx.GraphModule:
     buckets = _plan(ctx, members)
     previous_wait: fx.Node | None = None
     collectives = []
+    by_name = {ps.name: ps for ps in ctx.ownership.param_sets}
     for b, bucket in enumerate(buckets):
         first = bucket[0]
         # Issue before the previous bucket (of any engine) is waited for (prefetch depth one); the
-        # first bucket stays where its first gather was.
+        # first bucket stays where its first gather was. An engine that prefetches nothing issues
+        # each bucket just before its own wait.
         issue_before = previous_wait or first.gather
+        if not by_name[first.engine].gather_ahead:
+            issue_before = first.wait
         if len(bucket) == 1:
             if issue_before is not first.gather:
                 issue_before.prepend(first.gather)

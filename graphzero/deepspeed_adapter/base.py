@@ -11,7 +11,8 @@ DeepSpeed's own gradient handling for the parameters graphzero now owns:
   DeepSpeed's bucketed reduction (``reduce_independent_p_g_buckets_and_remove_grads``...);
 - the module forward pre/post hooks and ``engine.forward``'s output backward hooks, which run the
   backward prologue and divide gradients by gas at run time (graphzero applies 1/gas in-graph);
-- ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``).
+- ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``), and the public
+  ``engine.allreduce_gradients()``, which has nothing left to reduce.
 
 Every change goes through the binding's `PatchLedger` (ledger.py), which remembers what was there:
 `detach`, and an install that fails part-way, give the engine back exactly as found (DeepSpeed's
@@ -41,6 +42,10 @@ _BINDING_ATTR = "_graphzero_binding"
 
 
 def _noop(*_args) -> None:
+    return None
+
+
+def _reduced_in_graph(*_args, **_kwargs) -> None:
     return None
 
 
@@ -211,6 +216,11 @@ class DeepSpeedBinding:
         ledger.set_attr(engine, "_backward_prologue_per_tensor", _identity)
         ledger.set_attr(engine, "_backward_epilogue", _noop)
         ledger.set_attr(engine, "enable_backward_allreduce", False)
+        # The public engine.allreduce_gradients() (called after engine.backward by code that turns
+        # enable_backward_allreduce off, or by DeepSpeed's own tests) finishes the reduction of
+        # DeepSpeed's hooks, which graphzero's graphs have already done. DeepSpeed's own would
+        # rebuild averaged_gradients from .grad (None here) at ZeRO-1/2 and relist it at ZeRO-3.
+        ledger.set_attr(engine, "allreduce_gradients", _reduced_in_graph)
         # zero_grad must clear what graphzero accumulated, as it clears .grad under DeepSpeed eager
         # (e.g. a two-phase GAN step whose generator loss also reached the discriminator).
         engine_zero_grad, optimizer_zero_grad = engine.zero_grad, opt.zero_grad

@@ -92,10 +92,49 @@ def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
     ledger.on_undo(allocate, f"allocate DeepSpeed's {dtype} ZeRO-3 reduce bucket again")
 
 
+def _give_grad_proxy(p: torch.nn.Parameter, ledger: PatchLedger) -> None:
+    """A ZeRO-3 parameter outside every optimizer group of its engine: under DeepSpeed eager, when
+    it requires grad, its submodule's hooks gather it for backward and autograd leaves this rank's
+    own full gradient (not reduced; DeepSpeed hooks only the optimizer's parameters) in ``.grad``,
+    on a parameter whose data is empty again afterwards; ``safe_get_full_grad`` returns that.
+
+    The gather's backward (zero3_module.py) gives that gradient to a full-shape leaf instead
+    (one element of storage: stride 0), whose hook moves it into ``p.grad``. Not the shard: a
+    gradient of the shard's shape cannot carry a full unreduced gradient."""
+    shape = tuple(p.ds_shape)
+    proxy = torch.zeros(1, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+    proxy = proxy.as_strided(shape, (0,) * len(shape)).detach().requires_grad_(True)
+
+    @torch.no_grad()
+    def move(leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if grad is None:
+            return
+        if p.grad is not None:
+            p.grad.add_(grad)
+        elif tuple(p.shape) == shape:   # a persistent parameter keeps its data gathered
+            p.grad = grad
+        else:
+            # .grad must match the data's shape when assigned, not afterwards (DeepSpeed's own
+            # release empties the data under a full .grad the same way)
+            data = p.data
+            p.data = grad
+            try:
+                p.grad = grad
+            finally:
+                p.data = data
+
+    ledger.set_attr(p, zero3_module.GRAD_PROXY_ATTR, proxy)
+    ledger.post_accumulate_grad_hook(proxy, move)
+
+
 class Zero3Binding(DeepSpeedBinding):
     def __init__(self, engine, name: str) -> None:
-        self._installed_lists: dict[int, list] = {}
+        # per group: (requires_grad of each parameter, the list installed in averaged_gradients)
+        self._installed_lists: dict[int, tuple[tuple[bool, ...], list]] = {}
         self._stale = False
+        # the last sinks() listed zeros for a frozen parameter: the folded norm counts its shard
+        self._frozen_listed = False
         self.want_fused_update = True
         # The update is re-chosen by configure_step while attached: its own ledger, undone first.
         self._update_ledger = PatchLedger(f"engine {name!r} optimizer update")
@@ -161,9 +200,9 @@ class Zero3Binding(DeepSpeedBinding):
 
     def _build_param_set(self):
         ps = super()._build_param_set()
-        ps.shard_inputs = self.shard_inputs
+        ps.shard_inputs = self._trainable_shard_inputs
         ps.frozen_shards = self.frozen_shards
-        ps.gather_bucket_numel = self._gather_bucket_numel()
+        ps.gather_bucket_numel, ps.gather_ahead = self._gather_plan()
         # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
         ps.reuse_distance = max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
                                 int(self.engine.zero_prefetch_bucket_size()))
@@ -173,25 +212,45 @@ class Zero3Binding(DeepSpeedBinding):
         return ps
 
     def frozen_shards(self) -> dict[int, tuple[str, bool]]:
-        """The module's ZeRO-3 parameters outside the optimizer (frozen), by shard."""
-        owned = {id(p) for g in self.param_set.groups for p in g.params}
+        """The module's ZeRO-3 parameters that get no engine gradient in a graph compiled now, by
+        shard: those outside the optimizer (frozen, or given their own ``.grad``: zero3_module.py)
+        and owned ones whose ``requires_grad`` is off (read when a graph is compiled; Dynamo
+        compiles again when it changes). Gathered like the owned ones, never reduced."""
+        trainable = self._trainable_shard_inputs()
         return {id(p.ds_tensor): (n, bool(getattr(p, "ds_persist", False)))
-                for n, p in self.engine.module.named_parameters() if hasattr(p, "ds_tensor") and id(p) not in owned}
+                for n, p in self.engine.module.named_parameters()
+                if hasattr(p, "ds_tensor") and id(p.ds_tensor) not in trainable}
 
-    def _gather_bucket_numel(self) -> int:
-        """stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live (one
-        in use, one in flight) stay within stage3_max_live_parameters."""
+    def _gather_plan(self) -> tuple[int, bool]:
+        """(elements per parameter gather, whether a gather is issued ahead of the previous one's
+        wait). stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live
+        (one in use, one in flight) stay within stage3_max_live_parameters.
+
+        A prefetch bucket of 0 (DeepSpeed's own ZeRO-3 tests' default) is DeepSpeed's "no
+        prefetch": it gathers each submodule's
+        parameters when the submodule runs and waits at once. graphzero sees parameters, not
+        submodules, so it gathers each parameter on its own, issued at its use: the fewest gathered
+        elements alive at once, as the user asked for. Not the reduce bucket: at DeepSpeed's default
+        (5e8 elements) it would gather a whole model of that size in one collective."""
         prefetch = int(self.engine.zero_prefetch_bucket_size())
         max_live = int(self.engine.zero_max_live_parameters())
-        if prefetch <= 0 or max_live <= 1:
+        if max_live <= 1:
             raise UnsupportedConfigError(
-                f"engine {self.name!r}: zero_optimization.stage3_prefetch_bucket_size={prefetch} and "
-                f"stage3_max_live_parameters={max_live} leave no room for a parameter gather; set both positive")
-        return min(prefetch, max_live // 2)
+                f"engine {self.name!r}: zero_optimization.stage3_max_live_parameters={max_live} leaves no room "
+                "for a parameter gather; set it to 2 or more")
+        if prefetch <= 0:
+            return 1, False
+        return min(prefetch, max_live // 2), True
 
     def shard_inputs(self) -> dict[int, tuple[int, int]]:
         return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
                 for k, p in enumerate(group.params)}
+
+    def _trainable_shard_inputs(self) -> dict[int, tuple[int, int]]:
+        """shard_inputs() less the parameters frozen now (``requires_grad`` off): a graph compiled
+        now gives those no gradient (zero3_module.py), so they are not its to reduce."""
+        return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
+                for k, p in enumerate(group.params) if p.requires_grad}
 
     def _region(self, i: int) -> torch.Tensor:
         """Group i's contiguous part of the optimizer's flat fp32 gradient-partition buffer."""
@@ -204,21 +263,33 @@ class Zero3Binding(DeepSpeedBinding):
 
     def sinks(self) -> list[torch.Tensor]:
         """Per group, its region of ``grad_partitions_flat_buffer``. ``step()`` consumes
-        ``averaged_gradients[i]`` (sets it to None) but never zeroes the buffer: a missing or
-        replaced list (or a zero_grad since) means "start again from zeros"."""
+        ``averaged_gradients[i]`` (sets it to None, or the whole dict to ``{}``) but never zeroes
+        the buffer: a missing entry (or a zero_grad since) means "start again from zeros". A list
+        DeepSpeed replaced does not: its epilogue (``engine.allreduce_gradients()``, public API)
+        lists the same views again.
+
+        The list is made as DeepSpeed's epilogue makes it after each backward: the parameter's view,
+        or zeros for a parameter whose ``requires_grad`` is off, so that ``step()``, its norm and
+        the checkpoint code see what they see under DeepSpeed eager (a parameter frozen in the last
+        micro-step of a window steps on a zero gradient)."""
         opt = self.engine.optimizer
         views = getattr(opt, _GRAD_PARTITIONS)
         out = []
+        frozen = False
         for i, group in enumerate(self.param_set.groups):
             region = self._region(i)
-            installed = self._installed_lists.get(i)
-            if self._stale or installed is None or opt.averaged_gradients.get(i) is not installed:
+            if self._stale or opt.averaged_gradients.get(i) is None:
                 region.zero_()
-                installed = [views[p.ds_id] for p in group.params]
-                opt.averaged_gradients[i] = installed
-                self._installed_lists[i] = installed
+            trainable = tuple(p.requires_grad for p in group.params)
+            installed = self._installed_lists.get(i)
+            if installed is None or installed[0] != trainable or opt.averaged_gradients.get(i) is not installed[1]:
+                listed = [views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor) for p in group.params]
+                opt.averaged_gradients[i] = listed
+                self._installed_lists[i] = (trainable, listed)
+            frozen = frozen or not all(trainable)
             out.append(region)
         self._stale = False
+        self._frozen_listed = frozen
         return out
 
     def drop_sinks(self) -> None:
@@ -255,6 +326,10 @@ class Zero3Binding(DeepSpeedBinding):
         for p in module.parameters():
             if hasattr(p, "ds_tensor"):
                 ledger.set_attr(p, "all_gather", coalesced_all_gather(p.all_gather, p))
+        owned_ids = {id(p) for _, p in owned}
+        for p in module.parameters():
+            if hasattr(p, "ds_tensor") and id(p) not in owned_ids:
+                _give_grad_proxy(p, ledger)
         # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
         self._install_folded_norm(ledger)
@@ -273,7 +348,8 @@ class Zero3Binding(DeepSpeedBinding):
 
         def norm_groups() -> list[torch.Tensor]:
             squares = ps.norm.take() if ps.norm is not None else None
-            if squares is None:
+            if squares is None or self._frozen_listed:
+                # DeepSpeed norms the listed zeros of a frozen parameter, not its shard
                 return own()
             # get_grad_norm_direct's result per group: the root, inf/nan masked to -1
             norms = squares.pow(0.5)

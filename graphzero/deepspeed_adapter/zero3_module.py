@@ -17,6 +17,11 @@ instance attributes (wrapped forwards), and a read of ``module.weight``
 - in eager outside any module call returns the DeepSpeed parameter itself, as DeepSpeed eager
   does: ``GatheredParameters(module.weight)`` and edits inside it work unchanged.
 
+A parameter whose ``requires_grad`` is off (frozen, or frozen for one micro-step) is gathered without
+a gradient. One that requires grad but is in none of its engine's optimizer groups gets, as under
+DeepSpeed eager, this rank's own full gradient in ``.grad`` (through ``GRAD_PROXY_ATTR``), not a
+reduced shard.
+
 Not ``torch.nn.utils.parametrize``: it moves each parameter to ``parametrizations.<name>.original``,
 which renames it in ``named_parameters`` and ``state_dict`` (DeepSpeed's optimizer groups, its
 checkpoints and ``safe_get_full_grad`` key on the names and objects), and its parametrization
@@ -29,8 +34,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..shard_gather import gather_shard
+from ..shard_gather import gather_shard, gather_shard_local_grad
 from .ledger import PatchLedger
+
+# On a ZeRO-3 parameter that no optimizer group of its engine holds but that requires grad: the
+# full-shape leaf its gradient is accumulated into (Zero3Binding moves it to the parameter's .grad).
+GRAD_PROXY_ATTR = "_graphzero_grad_proxy"
 
 
 class _EagerDepth:
@@ -53,9 +62,19 @@ class _EagerDepth:
 def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.nn.Module, str], torch.Tensor]:
     def read(module: torch.nn.Module, name: str) -> torch.Tensor:
         p = module._parameters[name]
-        if torch.compiler.is_compiling() or depth.depth > 0:
-            return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
-        return p
+        if not (torch.compiler.is_compiling() or depth.depth > 0):
+            return p
+        if not p.requires_grad:
+            # An owned shard requires grad for as long as graphzero owns it, but a parameter
+            # frozen for this step must get no gradient, as under eager autograd (Dynamo guards on
+            # p.requires_grad: the step is compiled again when it changes).
+            with torch.no_grad():
+                return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
+        proxy = getattr(p, GRAD_PROXY_ATTR, None)
+        # an owned shard requires grad (another engine's, attached after this one, too)
+        if proxy is not None and not p.ds_tensor.requires_grad:
+            return gather_shard_local_grad(p.ds_tensor, proxy, p.ds_numel, p.ds_shape, world, group_name)
+        return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
     return read
 
 
