@@ -177,7 +177,12 @@ class Ownership:
             for ps in param_sets:
                 where = ps.locate(x) if isinstance(x, torch.nn.Parameter) else None
                 if where is not None and not ps.groups[where[0]].presharded:
-                    owned[i] = OwnedInput(i, ps, *where, leaf=x)
+                    # A tensor hook must see this rank's gradient before the reduction, as under
+                    # DeepSpeed eager: the gradient leaves the graph, autograd runs the hook, and
+                    # the binding's post-accumulate hook reduces the result (ZeRO-3 applies the
+                    # hook in the gather's backward instead: zero3_module.py).
+                    if not has_tensor_hooks(x):
+                        owned[i] = OwnedInput(i, ps, *where, leaf=x)
                     break
                 where = shards.get(ps, {}).get(id(x))
                 if where is not None:
@@ -192,6 +197,11 @@ class Ownership:
                 if i not in owned and isinstance(x, torch.Tensor) and id(x) in shards:
                     frozen[i] = (ps, *shards[id(x)])
         return cls(owned, used, frozen)
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether ``t.register_hook`` hooks are registered on ``t`` (not post-accumulate ones)."""
+    return bool(t._backward_hooks)
 
 
 def check_same_world(param_sets: Sequence[ParamSet]) -> None:

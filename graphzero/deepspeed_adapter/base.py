@@ -31,7 +31,7 @@ from .. import devices, local_accumulation, rank_agreement
 from ..errors import GraphZeroError, InstallError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..norm_fold import FoldedNorm
-from ..ownership import FlatGroup, ParamSet
+from ..ownership import FlatGroup, ParamSet, has_tensor_hooks
 from .ds_internals import _deepspeed_version, _optimizer_kind, ds_attr
 from .ledger import PatchLedger
 
@@ -63,6 +63,7 @@ class DeepSpeedBinding:
         # every change install() makes, undone by uninstall() and by a failed install()
         self.ledger = PatchLedger(f"engine {name!r}")
         self._warned_eager = False
+        self._logged_hooked: set[int] = set()
         # Whether a backward wrote this engine's shards since its last optimizer step.
         self.received_gradient = False
         self.param_set = self._build_param_set()
@@ -315,18 +316,24 @@ class DeepSpeedBinding:
         """Reduce a gradient that reached ``param.grad`` through eager autograd.
 
         Compiled graphs return no gradient for owned parameters, so this runs only for code that
-        Dynamo did not capture (a skipped frame, a plain eager call). It keeps the result correct,
-        at the cost of one blocking all-reduce per parameter.
+        Dynamo did not capture (a skipped frame, a plain eager call) and for parameters with a
+        tensor hook (ownership.py). It keeps the result correct, at the cost of one blocking
+        all-reduce per parameter.
         """
         if param.grad is None:
             return
-        if not self._warned_eager:
-            log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
-                        "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)
-            self._warned_eager = True
         ps = self.param_set
         g, k = ps.locate(param)
         group = ps.groups[g]
+        if has_tensor_hooks(param):
+            if id(param) not in self._logged_hooked:
+                self._logged_hooked.add(id(param))
+                log.info("engine %r: parameter %r has a tensor hook; its gradient is reduced after the hook, "
+                         "outside the compiled graph (one all-reduce per backward)", self.name, group.names[k])
+        elif not self._warned_eager:
+            log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
+                        "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)
+            self._warned_eager = True
         what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
         scale = self.runtime_scale()
         if ps.local is not None and ps.defers_reduction():
