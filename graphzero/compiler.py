@@ -64,8 +64,8 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     dump = GraphDump.for_graph(opts, graph_id)
     if not ownership.inputs:
         log.info("graph %s uses no engine-owned parameters; compiling it unchanged", graph_id)
-    unused = [name for name, engine in opts.engines
-              if not any(ps.name == name for ps in ownership.param_sets)]
+    used = {id(ps) for ps in ownership.param_sets}
+    unused = [b.name for b in bindings[:len(opts.engines)] if id(b.param_set) not in used]
     if unused and ownership.inputs:
         log.warning("graph %s does not use engine(s) %s listed in options['engines']: this graph leaves their "
                     "gradient shards untouched", graph_id, unused)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import WorldMismatchError
+from .errors import OwnershipError, WorldMismatchError
 from .pending_backwards import PendingBackwards
 
 
@@ -189,6 +189,11 @@ class Ownership:
                     owned[i] = OwnedInput(i, ps, *where, shard=True, leaf=x)
                     break
         used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
+        names = [ps.name for ps in used]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            # attach keeps names unique (deepspeed_adapter/names.py); plans and dumps key engines by name
+            raise OwnershipError(f"engine name(s) {twice} belong to more than one engine in this graph")
         check_same_world(used)
         frozen = {}
         for ps in used:
