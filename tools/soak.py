@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
 import logging
 import os
@@ -178,6 +179,8 @@ def _report(args: argparse.Namespace, result: dict | None) -> int:
 
 
 def _spawn_entry(rank: int, args: argparse.Namespace, port: int) -> None:
+    # a native crash (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(args.world_size), LOCAL_WORLD_SIZE=str(args.world_size))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
