@@ -11,7 +11,7 @@ step is compiled anew every N steps (``torch._dynamo.reset()``, as a notebook or
 changes shapes would), so a leak per compile shows. After the warm-up (``--warmup`` steps) a
 healthy run shows no RSS growth beyond noise and no compiles but the forced ones. At the end one
 more backward is checked against a single-process reference from the engines' current weights
-(every parameter's reduced gradient, fp32 rtol 1e-4 / atol 1e-6). Rank 0 prints a table and writes
+(every parameter's reduced gradient within 1e-5 of that tensor's largest element). Rank 0 prints a table and writes
 JSON; the exit code is 1 when a check fails (``--max-growth-mib``, compiles, the gradient check).
 """
 from __future__ import annotations
@@ -127,8 +127,10 @@ def _gradients_exact(step, work, engines: dict, reference: dict) -> str | None:
         (work.loss(reference, *batch) / world).backward()
     for name, eng in engines.items():
         for (pname, p), q in zip(eng.module.named_parameters(), reference[name].parameters()):
-            got = safe_get_full_grad(p).float()
-            if not torch.allclose(got, q.grad.float(), rtol=1e-4, atol=1e-6):
+            got, want = safe_get_full_grad(p).float(), q.grad.float()
+            # relative to the tensor's scale: a long GAN run's gradients reach 1e2, where fp32
+            # rounding of a different reduction order is 1e-5 on every element
+            if not torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()) + 1e-6):
                 return (f"{name}.{pname}: max |difference| {float((got - q.grad).abs().max()):.3g} "
                         f"(reference max {float(q.grad.abs().max()):.3g})")
         eng.zero_grad()
