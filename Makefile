@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo lint test test-torch test-matrix bench clean
+.PHONY: install demo lint test test-torch test-matrix test-parity bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test-torch:
 # The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed 20-case sample).
 test-matrix: install
 	GRAPHZERO_MATRIX=full $(PY) -m pytest -q tests/test_matrix.py
+
+# DeepSpeed's own gradient-path unit tests, each against a DeepSpeed-eager twin (tests/test_parity.py;
+# `make test` runs its fixed sample). docs/reliability.md, "DeepSpeed parity suite".
+test-parity: install
+	GRAPHZERO_PARITY=full $(PY) -m pytest -q tests/test_parity.py
 
 bench: install
 	$(VENV)/bin/graphzero-compare --model mlp --stage 2 --json bench-mlp-z2.json

@@ -48,7 +48,9 @@ def attach(*engines: Any, **named_engines: Any) -> None:
     """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it.
 
     For code that cannot pass ``options={"engines": ...}`` (e.g. ``module.compile(backend="graphzero")``).
-    Positional engines are named ``engine0``, ``engine1``, ...; keyword ones by their keyword.
+    Positional engines are named ``engine0``, ``engine1``, ... (an attached engine keeps its name;
+    a new one gets the next ``engineK`` never given to another engine in this process); keyword
+    ones by their keyword (an engine attached earlier under it becomes ``name#2``; logged).
     """
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
     deepspeed_adapter.attach(pairs)

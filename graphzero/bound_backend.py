@@ -17,7 +17,7 @@ from torch import fx
 from . import deepspeed_adapter
 from .compiler import graphzero_backend
 from .errors import AttachTooLateError, OptionError
-from .options import Options
+from .options import DefaultName, Options
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options)) - {"engines"}
 
@@ -25,7 +25,8 @@ _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options)) - {"engin
 class GraphZeroBackend:
     """A torch.compile backend that owns the given DeepSpeed engines' parameters.
 
-    Positional engines are named ``engine0``, ``engine1``, ...; keyword arguments are options when
+    Positional engines are named ``engine0``, ``engine1``, ... (unique per process:
+    deepspeed_adapter/names.py); keyword arguments are options when
     their name is one (``inner``, ``bucket_size``, ...) and named engines otherwise. ``engines=``
     (a list or ``{name: engine}`` dict) is accepted too, so ``graphzero.backend(**options)`` turns
     an ``options`` dict into a backend object.
@@ -38,7 +39,7 @@ class GraphZeroBackend:
         if listed is not None and (engines or named):
             raise OptionError("graphzero.backend: pass engines either as arguments or as engines=..., not both")
         if listed is None:
-            listed = {f"engine{i}": e for i, e in enumerate(engines)}
+            listed = {DefaultName(f"engine{i}"): e for i, e in enumerate(engines)}
             for name, engine in named.items():
                 if name in listed:
                     raise OptionError(f"graphzero.backend: engine name {name!r} is also a positional engine's name")

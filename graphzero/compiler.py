@@ -64,8 +64,8 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     dump = GraphDump.for_graph(opts, graph_id)
     if not ownership.inputs:
         log.info("graph %s uses no engine-owned parameters; compiling it unchanged", graph_id)
-    unused = [name for name, engine in opts.engines
-              if not any(ps.name == name for ps in ownership.param_sets)]
+    used = {id(ps) for ps in ownership.param_sets}
+    unused = [b.name for b in bindings[:len(opts.engines)] if id(b.param_set) not in used]
     if unused and ownership.inputs:
         log.warning("graph %s does not use engine(s) %s listed in options['engines']: this graph leaves their "
                     "gradient shards untouched", graph_id, unused)
@@ -219,6 +219,10 @@ class BackwardWithRuntimeInputs:
             if ps not in self.param_sets:
                 self.param_sets.append(ps)
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
+        # The tensor hooks each owned parameter had when this graph was compiled: ZeRO-1/2 leave a
+        # hooked parameter to autograd (ownership.py), ZeRO-3 runs its hooks in the gather's backward
+        # (zero3_module.py); a hook added or removed since would be dropped or run wrongly.
+        self.hooks_compiled = [(g.owned.param, g.owned.qualname, _hook_ids(g.owned.param)) for g in ctx.grads]
         self._scale_tensors: dict[tuple[float, torch.device], torch.Tensor] = {}
         # ZeRO-3 engines another graph of this backward reaches: "hold" or "release" (held_gradients.py)
         self.held = dict(ctx.held)
@@ -253,6 +257,13 @@ class BackwardWithRuntimeInputs:
         if detached:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
                                  "call torch._dynamo.reset() or compile the step again")
+        changed = [name for param, name, ids in self.hooks_compiled if _hook_ids(param) != ids]
+        if changed:
+            raise GraphZeroError(
+                f"the tensor hooks (register_hook) of parameter(s) {changed} changed after {self.what} was "
+                "compiled, and the graph reduces their gradients where no new hook can run; register parameter "
+                "hooks before the first call of the compiled step, or call torch._dynamo.reset() to compile it "
+                "again")
         accumulating = self.probe.accumulating()
         buffers, scales, local, norms, folds, held = {}, {}, {}, {}, {}, {}
         for ps in self.param_sets:
@@ -301,6 +312,10 @@ class BackwardWithRuntimeInputs:
         # an engine at its boundary that this micro-step's graphs do not reach still holds its window
         local_accumulation.flush_after_this_backward()
         return out
+
+
+def _hook_ids(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param._backward_hooks or ())
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):

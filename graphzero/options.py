@@ -13,11 +13,21 @@ COLLECTIVES = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
 DUMP_RANKS = ("0", "all")
 
 
+class DefaultName(str):
+    """The label of an engine given without a name (``engines=[...]``, positional arguments):
+    ``engineI`` for its position I, used in errors about the list itself. Attaching gives the
+    engine a name of its own (deepspeed_adapter/names.py: the one it has while attached, else the
+    next ``engineK`` this process never gave another engine), which may differ from the label."""
+
+    __slots__ = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Parsed `options=` of ``torch.compile(..., backend="graphzero")``.
 
-    engines: ``(name, engine)`` pairs; empty means "the engines attached with graphzero.attach".
+    engines: ``(name, engine)`` pairs (a `DefaultName` where the engine was listed without a
+        name); empty means "the engines attached with graphzero.attach".
     inner: ``"inductor"`` compiles the transformed graphs with inductor, ``"eager"`` runs them as FX.
     bucket_size: elements per reduction bucket; None means each engine's
         ``zero_optimization.reduce_bucket_size``.
@@ -119,7 +129,7 @@ def _parse_engines(engines: Any) -> tuple[tuple[str, Any], ...]:
             if not isinstance(name, str) or not name:
                 raise OptionError(f"option 'engines': names must be non-empty strings, got {name!r}")
     elif isinstance(engines, (list, tuple)):
-        pairs = [(f"engine{i}", e) for i, e in enumerate(engines)]
+        pairs = [(DefaultName(f"engine{i}"), e) for i, e in enumerate(engines)]
     else:
         raise OptionError("option 'engines' must be a list of DeepSpeed engines or a {name: engine} dict, "
                           f"got {type(engines).__name__}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import WorldMismatchError
+from .errors import OwnershipError, WorldMismatchError
 from .pending_backwards import PendingBackwards
 
 
@@ -180,13 +180,23 @@ class Ownership:
             for ps in param_sets:
                 where = ps.locate(x) if isinstance(x, torch.nn.Parameter) else None
                 if where is not None and not ps.groups[where[0]].presharded:
-                    owned[i] = OwnedInput(i, ps, *where, leaf=x)
+                    # A tensor hook must see this rank's gradient before the reduction, as under
+                    # DeepSpeed eager: the gradient leaves the graph, autograd runs the hook, and
+                    # the binding's post-accumulate hook reduces the result (ZeRO-3 applies the
+                    # hook in the gather's backward instead: zero3_module.py).
+                    if not has_tensor_hooks(x):
+                        owned[i] = OwnedInput(i, ps, *where, leaf=x)
                     break
                 where = shards.get(ps, {}).get(id(x))
                 if where is not None:
                     owned[i] = OwnedInput(i, ps, *where, shard=True, leaf=x)
                     break
         used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
+        names = [ps.name for ps in used]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            # attach keeps names unique (deepspeed_adapter/names.py); plans and dumps key engines by name
+            raise OwnershipError(f"engine name(s) {twice} belong to more than one engine in this graph")
         check_same_world(used)
         frozen = {}
         for ps in used:
@@ -195,6 +205,11 @@ class Ownership:
                 if i not in owned and isinstance(x, torch.Tensor) and id(x) in shards:
                     frozen[i] = (ps, *shards[id(x)])
         return cls(owned, used, frozen)
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether ``t.register_hook`` hooks are registered on ``t`` (not post-accumulate ones)."""
+    return bool(t._backward_hooks)
 
 
 def check_same_world(param_sets: Sequence[ParamSet]) -> None:

@@ -62,6 +62,27 @@ def gather_shard_local_grad(shard: torch.Tensor, proxy: torch.Tensor, numel: int
     return _GatherShardLocalGrad.apply(shard, proxy, numel, tuple(shape), world, group_name)
 
 
+class _TensorHooks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, hooks: tuple):
+        ctx.hooks = hooks
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        for hook in ctx.hooks:
+            out = hook(grad)
+            grad = grad if out is None else out
+        return grad, None
+
+
+def with_tensor_hooks(full: torch.Tensor, hooks: tuple) -> torch.Tensor:
+    """``full`` whose gradient passes through ``hooks`` (a parameter's ``register_hook`` hooks, in
+    order, as autograd runs them) before the gather's reduce-scatter: what DeepSpeed eager's
+    gathered parameter gives its hooks, this rank's gradient before the reduction."""
+    return _TensorHooks.apply(full, hooks)
+
+
 @torch.library.custom_op("graphzero::split_gathered", mutates_args=())
 def split_gathered(gathered: torch.Tensor, world: int, shard_sizes: list[int]) -> list[torch.Tensor]:
     """A gather bucket's rows (``world`` x the members' concatenated shards) split into each

@@ -7,6 +7,8 @@ it for which engine and why).
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -148,13 +150,29 @@ class Inserter:
                          {"dtype": dtype, "device": device, "pin_memory": False}, engine=engine, why=why)
 
 
+def placeholder_target(graph: fx.Graph, name: str) -> str:
+    """``name`` as a placeholder target FX code generation accepts: the generated function takes
+    it as an argument, so it must be an identifier and unique among the graph's names. Engine
+    names are the user's (``{"gen-1": ...}``), so characters that are not ``[A-Za-z0-9_]`` become
+    ``_`` and a name already in the graph gets ``_1``, ``_2``, ..."""
+    ident = re.sub(r"\W", "_", name, flags=re.ASCII)
+    if not ident.isidentifier() or keyword.iskeyword(ident):
+        ident = "_" + ident
+    taken = {n.name for n in graph.nodes} | {n.target for n in graph.find_nodes(op="placeholder")}
+    target, k = ident, 0
+    while target in taken:
+        k += 1
+        target = f"{ident}_{k}"
+    return target
+
+
 def append_placeholder(gm: fx.GraphModule, ctx: PassContext, pass_name: str, name: str, val: torch.Tensor,
                        kind: str, ps: ParamSet, g: int | None, why: str) -> fx.Node:
     """A new last placeholder whose real tensor the runtime supplies on every call (recorded in
     ``ctx.runtime_inputs`` as ``(kind, ps, g)``); ``val`` is its fake value."""
     last = list(gm.graph.find_nodes(op="placeholder"))[-1]
     with gm.graph.inserting_after(last):
-        node = gm.graph.placeholder(name)
+        node = gm.graph.placeholder(placeholder_target(gm.graph, name))
     node.meta["val"] = val
     node.meta["graphzero"] = {"pass": pass_name, "engine": ps.name, "why": why}
     ctx.runtime_inputs.append((kind, ps, g))

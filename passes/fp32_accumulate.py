@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ..ownership import ParamSet
-from ._graph import Inserter, PassContext, drop_outputs, output_node
+from ._graph import Inserter, PassContext, drop_outputs, output_node, placeholder_target
 
 PASS = "fp32_accumulate"
 aten = torch.ops.aten
@@ -118,7 +118,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     ps: ParamSet, g: int | None, why: str) -> fx.Node:
         nonlocal anchor
         with graph.inserting_after(anchor):
-            node = graph.placeholder(name)
+            node = graph.placeholder(placeholder_target(graph, name))
         anchor = node
         with ctx.fake_mode:
             node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)

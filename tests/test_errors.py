@@ -271,3 +271,56 @@ def test_backend_object_misuse_is_named(ranks):
         assert "engines=" in messages[1]
         assert "'inner'" in messages[2] and "torch.compile(options=...)" in messages[2]
         assert "['critic']" in messages[3] and "detached" in messages[3]
+
+
+def name_clash_scenario() -> list[str]:
+    """An explicit name that an engine listed without a name in the same call keeps (the name an
+    earlier attach gave it): OwnershipError naming both, from graphzero.attach and from
+    graphzero.backend, with nothing attached by the failed call."""
+    torch.manual_seed(0)
+    disc = engine(mlp(4, 8, 1), ds_config(2))
+    gen = engine(mlp(4, 8, 4), ds_config(2))
+    held = "the disc"   # not an engineK: graphzero.backend refuses a keyword equal to a positional label
+    graphzero.attach(**{held: disc})
+    messages = []
+    with pytest.raises(graphzero.OwnershipError) as info:
+        graphzero.attach(disc, **{held: gen})
+    messages.append(str(info.value))
+    with pytest.raises(graphzero.OwnershipError) as info:
+        graphzero.backend(disc, **{held: gen})
+    messages.append(str(info.value))
+    assert graphzero.deepspeed_adapter.binding_of(gen) is None
+    assert graphzero.deepspeed_adapter.binding_of(disc).name == held
+    dist.barrier()
+    return [held, *messages]
+
+
+def test_engine_name_clash_is_named(ranks):
+    for held, *messages in ranks.run(name_clash_scenario):
+        for message in messages:
+            assert f"engine name {held!r}" in message and "keeps it as its name" in message, message
+            # both engines described: the generator (4 outputs: 76 elements) and the discriminator (49)
+            assert "76 elements" in message and "49 elements" in message, message
+
+
+def foreign_engine_backward_scenario() -> str:
+    """DeepSpeed's own engine.backward of an engine graphzero does not own, on a loss that also
+    reaches an attached one: the attached engine cannot get its own 1/gas back (the other's gas is
+    unknown), so the backward raises a named AutogradUsageError on every rank."""
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    owned = engine(mlp(4, 8, 2), ds_config(2))
+    foreign = engine(mlp(4, 8, 2), ds_config(2, gas=2))
+    graphzero.attach(critic=owned)
+    (x,) = data(0, rank, (4, 4))
+    loss = owned(x).square().mean() + foreign(x).square().mean()
+    with pytest.raises(graphzero.AutogradUsageError) as info:
+        foreign.backward(loss)
+    dist.barrier()
+    return str(info.value)
+
+
+def test_engine_backward_of_a_foreign_engine_is_named(ranks):
+    for message in ranks.run(foreign_engine_backward_scenario):
+        assert "engine 'critic'" in message and "engine.backward()" in message, message
+        assert "does not own" in message, message

@@ -1,9 +1,10 @@
 """A randomized config matrix (hypothesis) against a single-process PyTorch reference.
 
-Each case draws: 1-4 engines, each with its own ZeRO stage, gradient accumulation (1-4, each
-engine stepping at its own boundary), clipping (0, 0.5, 1.0), reduce bucket size (down to smaller
-than one parameter), module kind (plain MLP, tied weights, activation checkpointing, a frozen
-layer) and call (``engine(x)`` or ``engine.module(x)``); and for the case: dtype (fp32, bf16 with
+Each case draws: 1-4 engines, each with its own ZeRO stage (1, 2 or 3; at ZeRO-3 a persistence
+threshold and a prefetch bucket size), gradient accumulation (1-4, each engine stepping at its own
+boundary), clipping (0, 0.5, 1.0), reduce bucket size (down to smaller than one parameter), module
+kind (plain MLP, tied weights, activation checkpointing, a frozen layer), call (``engine(x)`` or
+``engine.module(x)``) and whether a masking tensor hook sits on its first weight; and for the case: dtype (fp32, bf16 with
 fp32 accumulation), call pattern (chain, side by side, an engine called twice, a conditional
 branch, an engine unused in some steps), a frozen and/or an unowned module in the data path,
 inner ``eager``/``inductor``, world size 2 or 3 (uneven partitions; a second rank pool, started
@@ -49,12 +50,12 @@ from scenario_utils import (
     LR,
     assert_grads_close,
     assert_no_full_grads,
-    assert_params_close,
     assert_rel_l2_close,
     data,
     ds_config,
     engine,
     full_grads,
+    full_params,
     mlp,
     rank_world,
 )
@@ -62,7 +63,11 @@ from scenario_utils import (
 FULL = os.environ.get("GRAPHZERO_MATRIX", "") == "full"
 DEFAULT_CASES, FULL_CASES = 20, 300
 CASES = int(os.environ.get("GRAPHZERO_MATRIX_CASES", "0")) or (FULL_CASES if FULL else DEFAULT_CASES)
-STAGES = (1, 2)  # ZeRO-3 joins here once graphzero supports it
+STAGES = (1, 2, 3)
+# ZeRO-3: stage3_param_persistence_threshold (0: every parameter partitioned; 100: the biases and
+# small weights stay gathered) and stage3_prefetch_bucket_size (None: DeepSpeed's default)
+THRESHOLDS = (0, 100)
+PREFETCHES = (None, 50)
 PATTERNS = ("chain", "side", "twice", "cond", "unused")
 KINDS = ("plain", "tied", "ckpt", "frozen_part")
 BUCKETS = (None, 5, 37, 200)  # 5: smaller than any parameter (biases have 8 elements)
@@ -86,10 +91,23 @@ class EngineCase:
     kind: str
     hidden: int
     via_module: bool
+    # a masking tensor hook on the engine's first trainable weight (register_hook)
+    hooked: bool = False
+    threshold: int = 0             # ZeRO-3 only
+    prefetch: int | None = None    # ZeRO-3 only
 
     def short(self) -> str:
-        return (f"z{self.stage}/gas{self.gas}/clip{self.clip:g}/b{self.bucket or '-'}/{self.kind}{self.hidden}/"
-                f"{'mod' if self.via_module else 'eng'}")
+        z3 = f"/t{self.threshold}/p{'-' if self.prefetch is None else self.prefetch}" * (self.stage == 3)
+        return (f"z{self.stage}{z3}/gas{self.gas}/clip{self.clip:g}/b{self.bucket or '-'}/{self.kind}{self.hidden}/"
+                f"{'mod' if self.via_module else 'eng'}{'/hook' * self.hooked}")
+
+    def config(self, dtype: str) -> dict:
+        cfg = ds_config(self.stage, gas=self.gas, dtype=dtype, clip=self.clip, bucket=self.bucket)
+        if self.stage == 3:
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = self.threshold
+            if self.prefetch is not None:
+                cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = self.prefetch
+        return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +166,14 @@ def build_model(ec: EngineCase) -> nn.Module:
 
 def trainable(m: nn.Module) -> list[nn.Parameter]:
     return [p for p in m.parameters() if p.requires_grad]
+
+
+def hook_first_weight(m: nn.Module) -> None:
+    """Train every other output row of the first trainable weight only (a masking tensor hook)."""
+    shape = lambda p: tuple(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 parameter is empty
+    w = next(p for p in trainable(m) if len(shape(p)) == 2)
+    mask = (torch.arange(shape(w)[0]) % 2).float()[:, None]
+    w.register_hook(lambda g: g * mask.to(g.dtype))
 
 
 # -- the loss, per call pattern ---------------------------------------------------------------------
@@ -250,12 +276,17 @@ def _run_case(case: Case) -> dict:
     # micro-steps), as each rank does; the fp32 copies above keep the fp32 optimizer step.
     grad_models = [copy.deepcopy(m) for m in models] if bf16 else ref_models
     grad_extra = {"frozen": copy.deepcopy(frozen), "unowned": copy.deepcopy(unowned)} if bf16 else ref_extra
-    engines = [engine(m, ds_config(ec.stage, gas=ec.gas, dtype=case.dtype, clip=ec.clip, bucket=ec.bucket))
-               for m, ec in zip(models, case.engines)]
+    engines = [engine(m, ec.config(case.dtype)) for m, ec in zip(models, case.engines)]
+    for k, ec in enumerate(case.engines):
+        if ec.hooked:
+            hook_first_weight(grad_models[k])
     extra = {"frozen": frozen, "unowned": unowned}
     t_init = time.perf_counter() - t0
     step = torch.compile(make_loss(case, tuple(ec.via_module for ec in case.engines)), backend="graphzero",
                          options={"engines": {f"e{k}": e for k, e in enumerate(engines)}, "inner": case.inner})
+    for eng, ec in zip(engines, case.engines):
+        if ec.hooked:   # as users do: after deepspeed.initialize, before the first step
+            hook_first_weight(eng.module)
     ref_loss = make_loss(case, (False,) * n)
     ref_params = [trainable(m) for m in ref_models]
     flat_grad_params = [p for m in grad_models for p in trainable(m)]
@@ -336,16 +367,16 @@ def _run_case(case: Case) -> dict:
             ds_norm = float(eng.get_global_grad_norm())
             _checked("norm", torch.testing.assert_close, ds_norm, norm, **(BF16_NORM if bf16 else FP32_NORM),
                      msg=lambda m, what=what: f"{what}: grad norm: {m}")
-            _checked("param", assert_params_close, eng, ref_models[k], **(BF16_PARAM if bf16 else FP32_PARAM),
-                     what=what)
+            engine_params = full_params(eng)   # ZeRO-3: gathered
+            _checked("param", assert_grads_close, engine_params, list(ref_models[k].parameters()),
+                     **(BF16_PARAM if bf16 else FP32_PARAM), what=f"{what} parameters")
             if bf16:
                 # bf16 drifts from the fp32 reference a little more with every step (an engine with
                 # gas 1 may take 12 steps here): restart the reference from the engine's weights so
                 # that each step's gradients are compared from the same point, at the per-step 3%.
                 with torch.no_grad():
-                    for p, q, b in zip(eng.module.parameters(), ref_models[k].parameters(),
-                                       grad_models[k].parameters()):
-                        q.copy_(p.float())
+                    for p, q, b in zip(engine_params, ref_models[k].parameters(), grad_models[k].parameters()):
+                        q.copy_(p)
                         b.copy_(p)
         i += 1
     return {"micro_steps": i, "optimizer_steps": opt_steps, "skipped": skipped,
@@ -365,6 +396,9 @@ def cases(draw) -> Case:
         kind=draw(st.sampled_from(KINDS)),
         hidden=draw(st.sampled_from((8, 5, 13))),
         via_module=draw(st.booleans()),
+        hooked=draw(st.sampled_from((False, False, True))),
+        threshold=draw(st.sampled_from(THRESHOLDS)),
+        prefetch=draw(st.sampled_from(PREFETCHES)),
     ) for _ in range(n))
     return Case(
         # World 3 (uneven partitions, padding) and inductor (slow compiles on CPU) for a minority.

@@ -185,3 +185,60 @@ def transformer_scenario(stage: int, steps: int = 2) -> None:
 
 def test_transformer_body_and_head(ranks):
     ranks.run(transformer_scenario, 2)
+
+
+def engine_backward_scenario(stage: int, gas_gen: int, gas_disc: int, boundaries: int = 3) -> None:
+    """``gen.backward(loss)`` on the GAN loss, which also runs through ``disc``, the two engines
+    with gradient-accumulation steps of their own: each engine's gradient is averaged over its own
+    gas micro-batches (as ``loss.backward()`` gives it), gradients and norms at each engine's
+    boundaries. The first call is written ``gen.backward(step(...))``: ``gen.backward`` is looked
+    up before ``step`` attaches the engines, so DeepSpeed's own engine.backward runs it (loss /
+    gen's gas), and ``disc`` must still get its own 1/gas."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    models = {"gen": mlp(8, 16, 8), "disc": mlp(8, 16, 1)}
+    ref = Reference(models)
+    gas = {"gen": gas_gen, "disc": gas_disc}
+    engines = {}
+    for name, model in models.items():
+        cfg = ds_config(stage, gas=gas[name])
+        if stage == 3:
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        engines[name] = engine(model, cfg)
+    gen = engines["gen"]
+    step = torch.compile(gan_loss, backend="graphzero", options={"engines": engines, "inner": "eager"})
+    params = {name: [p for p in m.parameters() if p.requires_grad] for name, m in ref.models.items()}
+    for i in range(boundaries * max(gas.values())):
+        z, real = data(i, rank, (4, 8), (4, 8))
+        backward = gen.backward   # before step(...) runs: DeepSpeed's own on the first call
+        assert (backward.__func__ is type(gen).backward) == (i == 0), i
+        backward(step(engines, z, real))
+        assert_no_full_grads(*engines.values())
+        for r in range(world):
+            loss = gan_loss(ref.models, *data(i, r, (4, 8), (4, 8))) / world
+            grads = torch.autograd.grad(loss, params["gen"] + params["disc"])
+            owners = ["gen"] * len(params["gen"]) + ["disc"] * len(params["disc"])
+            for p, g, owner in zip(params["gen"] + params["disc"], grads, owners):
+                p.grad = g / gas[owner] if p.grad is None else p.grad + g / gas[owner]
+        at_boundary = [name for name in engines if (i + 1) % gas[name] == 0]
+        for name in at_boundary:
+            assert_grads_close(full_grads(engines[name]), ref.grads(name), **GRAD_TOL,
+                               what=f"gas {gas} micro-step {i} {name}")
+        for eng in engines.values():
+            eng.step()
+        for name in at_boundary:
+            norm = float(torch.nn.utils.clip_grad_norm_(params[name], ref.clip))
+            ref.opts[name].step()
+            ref.opts[name].zero_grad(set_to_none=True)
+            torch.testing.assert_close(float(engines[name].get_global_grad_norm()), norm, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name, i=i: f"micro-step {i} {name} gradient norm: {m}")
+
+
+@pytest.mark.parametrize("gas_gen, gas_disc", [(2, 1), (2, 2), (1, 2)])
+def test_engine_backward_gives_each_engine_its_own_gas(ranks, gas_gen, gas_disc):
+    ranks.run(engine_backward_scenario, 2, gas_gen, gas_disc)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_backward_own_gas_zero1_zero3(ranks, stage):
+    ranks.run(engine_backward_scenario, stage, 2, 1)

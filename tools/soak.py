@@ -1,17 +1,24 @@
 """``graphzero-soak``: a long GAN run under graphzero that watches memory and recompiles.
 
     graphzero-soak --steps 2000 --json soak.json        # 2 gloo ranks, GAN workload, ZeRO-2
+    graphzero-soak --steps 5000 --stage 3 --recompile-every 500
     torchrun --nproc-per-node 2 -m graphzero_tools.soak --steps 500 --stage 1
 
 Each rank trains the ``gan`` workload (the discriminator is called twice in one loss) with both
 engines owned by graphzero, samples its resident memory every ``--sample-every`` steps and reads
-Dynamo's counters (graphs compiled, graph breaks, recompiles). After the warm-up (``--warmup``
-steps) a healthy run shows no RSS growth beyond noise and no further compiles. Rank 0 prints a
-table and writes JSON; the exit code is 1 when a check fails (``--max-growth-mib``, recompiles).
+Dynamo's counters (graphs compiled, graph breaks, recompiles). With ``--recompile-every N`` the
+step is compiled anew every N steps (``torch._dynamo.reset()``, as a notebook or a long job that
+changes shapes would), so a leak per compile shows. After the warm-up (``--warmup`` steps) a
+healthy run shows no RSS growth beyond noise and no compiles but the forced ones. At the end one
+more backward is checked against a single-process reference from the engines' current weights
+(every parameter's reduced gradient within 1e-5 of that tensor's largest element). Rank 0 prints a table and writes
+JSON; the exit code is 1 when a check fails (``--max-growth-mib``, compiles, the gradient check).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import faulthandler
 import json
 import logging
 import os
@@ -30,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
     p.add_argument("--sample-every", type=int, default=100, help="RSS/counter sample interval in steps")
     p.add_argument("--warmup", type=int, default=200, help="steps before growth is measured")
-    p.add_argument("--stage", type=int, choices=(1, 2), default=2, help="ZeRO stage of both engines")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of both engines")
+    p.add_argument("--recompile-every", type=int, default=0,
+                   help="compile the step anew every N steps (torch._dynamo.reset()); 0: never")
     p.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
+    p.add_argument("--collective", choices=("auto", "reduce_scatter", "all_to_all", "all_reduce"), default="auto",
+                   help="graphzero's option of that name (how a gradient bucket is reduced)")
     p.add_argument("--width", type=int, default=64, help="hidden width of both models")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under a launcher)")
     p.add_argument("--max-growth-mib", type=float, default=16.0,
@@ -41,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _ds_config(stage: int, batch: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0   # every parameter partitioned and gathered
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+            "zero_optimization": zero, "gradient_clipping": 1.0,
             "timers": {"throughput": {"enabled": False}}, "steps_per_print": 10**9}
 
 
@@ -68,13 +82,17 @@ def run_rank(args: argparse.Namespace) -> dict | None:
     rank = dist.get_rank()
     size = resolve_size("gan", tiny=True, width=args.width)
     work = build_workload("gan", size, seed=0)
+    reference = copy.deepcopy(work.parts)   # before ZeRO-3 partitions the parts
     engines = {name: deepspeed.initialize(model=part, config=_ds_config(args.stage, size.batch),
                                           model_parameters=part.parameters())[0]
                for name, part in work.parts.items()}
-    step = torch.compile(work.loss, backend="graphzero", options={"engines": engines, "inner": args.inner})
+    step = torch.compile(work.loss, backend="graphzero", options={"engines": engines, "inner": args.inner,
+                                                                   "collective": args.collective})
     gen = torch.Generator().manual_seed(1000 + rank)
     samples, start = [], time.perf_counter()
     for t in range(1, args.steps + 1):
+        if args.recompile_every and t > 1 and (t - 1) % args.recompile_every == 0:
+            torch._dynamo.reset()
         step(engines, *work.make_batch(gen)).backward()
         for eng in engines.values():
             eng.step()
@@ -85,25 +103,59 @@ def run_rank(args: argparse.Namespace) -> dict | None:
             if rank == 0:
                 log.info("step %d/%d: rss %.1f MiB, %d graphs, %d recompiles, %.1f s", t, args.steps,
                          sample["rss_mib"], sample["graphs"], sample["recompiles"], sample["seconds"])
+    exact = _gradients_exact(step, work, engines, reference)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, samples)
+    dist.all_gather_object(everyone, (samples, exact))
     dist.destroy_process_group()
     return _verdict(args, everyone) if rank == 0 else None
 
 
-def _verdict(args: argparse.Namespace, per_rank: list[list[dict]]) -> dict:
+def _gradients_exact(step, work, engines: dict, reference: dict) -> str | None:
+    """One more backward on a fixed batch, against a single-process reference holding the engines'
+    current weights: None when every reduced gradient matches, else what differs."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name, eng in engines.items():
+        params = list(eng.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=eng.zero_optimization_stage() == 3), torch.no_grad():
+            for p, q in zip(params, reference[name].parameters()):
+                q.copy_(p)
+        eng.zero_grad()
+    batches = [work.make_batch(torch.Generator().manual_seed(10**6 + r)) for r in range(world)]
+    step(engines, *batches[rank]).backward()
+    for batch in batches:
+        (work.loss(reference, *batch) / world).backward()
+    for name, eng in engines.items():
+        for (pname, p), q in zip(eng.module.named_parameters(), reference[name].parameters()):
+            got, want = safe_get_full_grad(p).float(), q.grad.float()
+            # relative to the tensor's scale: a long GAN run's gradients reach 1e2, where fp32
+            # rounding of a different reduction order is 1e-5 on every element
+            if not torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()) + 1e-6):
+                return (f"{name}.{pname}: max |difference| {float((got - q.grad).abs().max()):.3g} "
+                        f"(reference max {float(q.grad.abs().max()):.3g})")
+        eng.zero_grad()
+    return None
+
+
+def _verdict(args: argparse.Namespace, per_rank: list[tuple[list[dict], str | None]]) -> dict:
+    # the forced compiles: after each reset, the step's graph once
+    forced = (args.steps - 1) // args.recompile_every if args.recompile_every else 0
     ranks = []
-    for rank, samples in enumerate(per_rank):
+    for rank, (samples, inexact) in enumerate(per_rank):
         after = [s for s in samples if s["step"] >= args.warmup] or samples[-1:]
         growth = after[-1]["rss_mib"] - after[0]["rss_mib"]
         late_compiles = after[-1]["graphs"] - after[0]["graphs"]
         ranks.append({"rank": rank, "rss_growth_mib": growth, "compiles_after_warmup": late_compiles,
                       "recompiles": samples[-1]["recompiles"], "graph_breaks": samples[-1]["graph_breaks"],
-                      "graphs": samples[-1]["graphs"], "samples": samples})
-    ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["compiles_after_warmup"] == 0
-             and r["recompiles"] == 0 for r in ranks)
+                      "graphs": samples[-1]["graphs"], "gradients": inexact or "exact", "samples": samples})
+    ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["graphs"] == 1 + forced
+             and r["recompiles"] == 0 and r["gradients"] == "exact" for r in ranks)
     return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
-            "width": args.width, "max_growth_mib": args.max_growth_mib, "ok": ok, "ranks": ranks}
+            "width": args.width, "recompile_every": args.recompile_every, "max_growth_mib": args.max_growth_mib,
+            "ok": ok, "ranks": ranks}
 
 
 def format_table(result: dict) -> str:
@@ -115,7 +167,8 @@ def format_table(result: dict) -> str:
                          s["graph_breaks"], f"{s['seconds']:.1f}"])
     table = tabulate(rows, headers=["rank", "step", "RSS MiB", "graphs", "recompiles", "breaks", "seconds"])
     summary = "; ".join(f"rank {r['rank']}: RSS growth after warm-up {r['rss_growth_mib']:+.1f} MiB, "
-                        f"{r['compiles_after_warmup']} compiles after warm-up, {r['recompiles']} recompiles"
+                        f"{r['graphs']} graphs compiled ({r['compiles_after_warmup']} after warm-up), "
+                        f"{r['recompiles']} recompiles, final gradients {r['gradients']}"
                         for r in result["ranks"])
     return f"{table}\n\n{summary}\nverdict: {'ok' if result['ok'] else 'FAILED'}"
 
@@ -131,6 +184,8 @@ def _report(args: argparse.Namespace, result: dict | None) -> int:
 
 
 def _spawn_entry(rank: int, args: argparse.Namespace, port: int) -> None:
+    # a native crash (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(args.world_size), LOCAL_WORLD_SIZE=str(args.world_size))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from ..errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
 from ..ownership import check_same_world
+from . import names
 from .base import DeepSpeedBinding, binding_of
 from .bf16 import BF16Binding
 from .ds_internals import _optimizer_kind, ds_attr
@@ -24,6 +25,8 @@ def _deepspeed_engine_class() -> type:
 def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = None,
            defer_param_gather: bool | None = None) -> list[DeepSpeedBinding]:
     """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any.
+    A name that is an `options.DefaultName` (listed without one) is a label only: the engine keeps
+    its name or gets the next free ``engineK`` (names.py).
 
     ``lean_step`` / ``defer_param_gather``: the options of that name (None keeps each engine's
     current setting; on by default)."""
@@ -51,17 +54,20 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
     # Engines attached together share one loss, even when a graph break puts them in different
     # graphs: refuse before changing any of them.
     check_same_world([b.param_set for b in bindings])
+    # Each engine's name, unique among the process's attached engines (names.py); a clash within
+    # this call is refused here, before any change.
+    final, displaced = names.assign([(name, binding) for (name, _), binding in zip(engines, bindings)])
     # All or nothing: an install that fails undoes itself (its ledger); the engines this call
     # attached before it are detached again, so a failed attach leaves every engine as it was.
     installed: list[DeepSpeedBinding] = []
     try:
-        for (name, _), binding in zip(engines, bindings):
+        for name, binding in zip(final, bindings):
             if binding_of(binding.engine) is None:
-                binding.name = binding.param_set.name = name
+                binding.rename(name)
                 binding.configure_step(lean_step, defer_param_gather)   # the options install() sees
                 binding.install()
                 installed.append(binding)
-            binding.name = binding.param_set.name = name
+            binding.rename(name)
             binding.configure_step(lean_step, defer_param_gather)
     except BaseException as exc:
         for binding in reversed(installed):
@@ -71,6 +77,7 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
                 exc.add_note(f"graphzero: detaching engine {binding.name!r} after the failed attach failed too: "
                              f"{undo_exc!r}")
         raise
+    names.record(final, bindings, displaced)
     return bindings
 
 

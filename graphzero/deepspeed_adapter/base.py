@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from .. import devices, local_accumulation, rank_agreement
-from ..errors import GraphZeroError, InstallError, NoGradientError, UnsupportedConfigError
+from ..errors import AutogradUsageError, GraphZeroError, InstallError, NoGradientError, UnsupportedConfigError
 from ..local_accumulation import LocalAccumulator
 from ..norm_fold import FoldedNorm
-from ..ownership import FlatGroup, ParamSet
+from ..ownership import FlatGroup, ParamSet, has_tensor_hooks
 from .ds_internals import _deepspeed_version, _optimizer_kind, ds_attr
 from .ledger import PatchLedger
 
@@ -68,6 +68,7 @@ class DeepSpeedBinding:
         # every change install() makes, undone by uninstall() and by a failed install()
         self.ledger = PatchLedger(f"engine {name!r}")
         self._warned_eager = False
+        self._logged_hooked: set[int] = set()
         # Whether a backward wrote this engine's shards since its last optimizer step.
         self.received_gradient = False
         self.param_set = self._build_param_set()
@@ -92,6 +93,11 @@ class DeepSpeedBinding:
 
     def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
         """Options ``lean_step`` / ``defer_param_gather`` (None: keep): only ZeRO-1/2 has a lean step."""
+
+    def rename(self, name: str) -> None:
+        """The engine's name from now on (attach: names.py decides it)."""
+        self.name = self.param_set.name = name
+        self.ledger.owner = f"engine {name!r}"
 
     @property
     def installed(self) -> bool:
@@ -152,15 +158,34 @@ class DeepSpeedBinding:
         return self.sinks()
 
     def runtime_scale(self) -> float:
-        """1/(world*gas), or 1/world when this backward was started by DeepSpeed's own
-        engine.backward, which has already divided the loss by gas (a first call written as
-        ``engine.backward(step(...))`` looks up ``engine.backward`` before graphzero attaches)."""
+        """This backward's factor for the engine's summed gradient: each engine's gradient is
+        averaged over the ranks and over its own gas micro-batches, however the backward started.
+
+        1/(world*gas), unless DeepSpeed's own ``engine.backward`` of some engine E started it (a
+        first call written as ``E.backward(step(...))`` looks up ``E.backward`` before graphzero
+        attaches): that divided the loss by E's gas already, so the factor is
+        gas(E)/(world*gas) (1/world for E itself). An E graphzero does not own is an error: its gas
+        is unknown here."""
         from deepspeed.runtime.engine import _ENGINE_BACKWARD_GRAPH_TRACKER
+
+        from . import names
         world = self.param_set.world_size
-        if _ENGINE_BACKWARD_GRAPH_TRACKER.is_current_graph_registered():
-            return 1.0 / world
         # Read per call: set_train_batch_size() may change gas between steps.
-        return 1.0 / (world * self.engine.gradient_accumulation_steps())
+        gas = self.engine.gradient_accumulation_steps()
+        if not _ENGINE_BACKWARD_GRAPH_TRACKER.is_current_graph_registered():
+            return 1.0 / (world * gas)
+        if ds_attr(self.engine, "_running_engine_backward"):
+            return 1.0 / world
+        running = [e for e in names.attached_engines() if ds_attr(e, "_running_engine_backward")]
+        if len(running) != 1:
+            raise AutogradUsageError(
+                f"engine {self.name!r}: this backward was started by DeepSpeed's own engine.backward() of "
+                + ("an engine graphzero does not own" if not running else
+                   f"several engines at once ({[binding_of(e).name for e in running]})")
+                + f", which divided the loss by that engine's gradient_accumulation_steps; {self.name!r} "
+                "averages over its own gas, which graphzero cannot restore here. Attach that engine to "
+                "graphzero (its engine.backward then leaves each engine its own 1/gas), or call loss.backward()")
+        return running[0].gradient_accumulation_steps() / (world * gas)
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
@@ -325,18 +350,24 @@ class DeepSpeedBinding:
         """Reduce a gradient that reached ``param.grad`` through eager autograd.
 
         Compiled graphs return no gradient for owned parameters, so this runs only for code that
-        Dynamo did not capture (a skipped frame, a plain eager call). It keeps the result correct,
-        at the cost of one blocking all-reduce per parameter.
+        Dynamo did not capture (a skipped frame, a plain eager call) and for parameters with a
+        tensor hook (ownership.py). It keeps the result correct, at the cost of one blocking
+        all-reduce per parameter.
         """
         if param.grad is None:
             return
-        if not self._warned_eager:
-            log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
-                        "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)
-            self._warned_eager = True
         ps = self.param_set
         g, k = ps.locate(param)
         group = ps.groups[g]
+        if has_tensor_hooks(param):
+            if id(param) not in self._logged_hooked:
+                self._logged_hooked.add(id(param))
+                log.info("engine %r: parameter %r has a tensor hook; its gradient is reduced after the hook, "
+                         "outside the compiled graph (one all-reduce per backward)", self.name, group.names[k])
+        elif not self._warned_eager:
+            log.warning("engine %r: parameter gradients were computed outside a graphzero graph (eager code "
+                        "or a skipped frame); reducing them eagerly, one all-reduce per parameter", self.name)
+            self._warned_eager = True
         what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
         scale = self.runtime_scale()
         if ps.local is not None and ps.defers_reduction():

@@ -36,6 +36,20 @@ c10d = torch.ops._c10d_functional
 _ENGINE_METHODS = ("save_checkpoint", "load_checkpoint", "module_state_dict")
 
 
+def _waiter(own: list[torch.nn.Parameter]):
+    """A forward pre-hook waiting for ``own``'s deferred all-gathers. Traced by Dynamo too (a graph
+    of any backend gets these waits). ``own`` is a closure variable, not a default: Dynamo caches
+    each traced function's defaults in a WeakKeyDictionary keyed by the function, and a default
+    reaching the function back (parameter -> binding -> engine -> module -> hook) would keep the
+    engine alive for the rest of the process."""
+
+    def wait_own(*_args):
+        for p in own:
+            c10d.wait_tensor(p)
+
+    return wait_own
+
+
 class ParamSync:
     """The waits for one engine's deferred parameter all-gathers."""
 
@@ -55,12 +69,7 @@ class ParamSync:
             if not own:
                 continue
 
-            def wait_own(*_args, own=own):
-                # Traced by Dynamo too (a graph of any backend gets these waits).
-                for p in own:
-                    c10d.wait_tensor(p)
-
-            ledger.add_hook(module.register_forward_pre_hook(wait_own))
+            ledger.add_hook(module.register_forward_pre_hook(_waiter(own)))
             ledger.add_hook(module.register_state_dict_pre_hook(self._wait_eager))
             ledger.add_hook(module.register_load_state_dict_pre_hook(self._wait_eager))
         for name in _ENGINE_METHODS:

@@ -30,11 +30,12 @@ would be called by DeepSpeed's own attribute reads outside the step. A property 
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
-from ..shard_gather import gather_shard, gather_shard_local_grad
+from ..shard_gather import gather_shard, gather_shard_local_grad, with_tensor_hooks
 from .ledger import PatchLedger
 
 # On a ZeRO-3 parameter that no optimizer group of its engine holds but that requires grad: the
@@ -59,6 +60,27 @@ class _EagerDepth:
         self.depth -= 1
 
 
+_HOOKS_ATTR = "_graphzero_param_hooks"
+
+
+def _share_hook_dicts(module: torch.nn.Module, names: tuple[str, ...], ledger: PatchLedger) -> None:
+    """Give each named parameter a hook dict (``register_hook`` fills it in place) and keep the
+    dicts on the module under ``_HOOKS_ATTR``."""
+    dicts = {}
+    for n in names:
+        p = module._parameters[n]
+        if p._backward_hooks is None:
+            p._backward_hooks = OrderedDict()
+
+            def give_back(p=p) -> None:
+                if not p._backward_hooks:   # hooks the user registered meanwhile stay
+                    p._backward_hooks = None
+
+            ledger.on_undo(give_back, f"hook dict of {n}")
+        dicts[n] = p._backward_hooks
+    ledger.set_attr(module, _HOOKS_ATTR, dicts)
+
+
 def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.nn.Module, str], torch.Tensor]:
     def read(module: torch.nn.Module, name: str) -> torch.Tensor:
         p = module._parameters[name]
@@ -73,8 +95,15 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
         proxy = getattr(p, GRAD_PROXY_ATTR, None)
         # an owned shard requires grad (another engine's, attached after this one, too)
         if proxy is not None and not p.ds_tensor.requires_grad:
-            return gather_shard_local_grad(p.ds_tensor, proxy, p.ds_numel, p.ds_shape, world, group_name)
-        return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
+            full = gather_shard_local_grad(p.ds_tensor, proxy, p.ds_numel, p.ds_shape, world, group_name)
+        else:
+            full = gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
+        # the parameter's own hook dict, reached without reading the (empty) parameter's hooks in
+        # the trace: a traced read made it a graph input whose None gradient autograd handed to
+        # the hooks. Read once per trace; a hook registered later is refused at backward
+        # (compiler.BackwardWithRuntimeInputs).
+        hooks = getattr(module, _HOOKS_ATTR)[name]
+        return with_tensor_hooks(full, tuple(hooks.values())) if hooks else full
     return read
 
 
@@ -96,6 +125,7 @@ def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchL
         ledger.add_hook(sub.register_forward_hook(depth.leave, always_call=True))
         names = tuple(n for n, p in sub._parameters.items() if p is not None and hasattr(p, "ds_tensor"))
         if names and not getattr(type(sub), "_graphzero_gathering", False):
+            _share_hook_dicts(sub, names, ledger)
             ledger.set_attr(sub, "__class__", _gathering_class(type(sub), names, read))
             swapped += 1
     return swapped
