@@ -150,25 +150,12 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
         return None  # gathered inside the compiled graph: see graph_stats
 
     def eager_grads_seen(self) -> int:
-        """How many gradients eager autograd has delivered to an engine's parameter (with ZeRO-3: to
-        its shard, ``ds_tensor``) since the first call: each is one call of graphzero's eager safety
-        net, since compiled graphs return no gradient (None) for the parameters they own. Counted by
-        a tensor hook of our own (it runs before accumulation, so before graphzero's safety net clears
-        ``.grad``), installed on the first call, after the first step, when graphzero has made the
-        shards require grad."""
-        if not hasattr(self, "_eager_grads"):
-            self._eager_grads = [0]
-
-            def seen(grad: torch.Tensor | None) -> None:
-                if grad is not None:
-                    self._eager_grads[0] += 1
-
-            for engine in self.engines.values():
-                for p in engine.module.parameters():
-                    for t in (p, getattr(p, "ds_tensor", None)):
-                        if t is not None and t.requires_grad and t.is_leaf:
-                            t.register_hook(seen)
-        return self._eager_grads[0]
+        """How many gradients graphzero's eager safety net has reduced for these engines: each is a
+        gradient eager autograd delivered to an owned parameter (ZeRO-3: its shard), since compiled
+        graphs return none for the parameters they own. Read from the bindings' counters: a tensor
+        hook of our own would itself take a ZeRO-1/2 parameter out of the compiled reduction."""
+        from graphzero.deepspeed_adapter import binding_of
+        return sum(b.eager_gradients for b in (binding_of(e) for e in self.engines.values()) if b is not None)
 
     def graph_stats(self) -> dict[str, int] | None:
         """The gathered-parameter peak of the compiled forward / backward (bytes, the most over the

@@ -69,6 +69,8 @@ class DeepSpeedBinding:
         self.ledger = PatchLedger(f"engine {name!r}")
         self._warned_eager = False
         self._logged_hooked: set[int] = set()
+        # gradients the eager safety net reduced (compiled graphs deliver none): for benchmarks
+        self.eager_gradients = 0
         # Whether a backward wrote this engine's shards since its last optimizer step.
         self.received_gradient = False
         self.param_set = self._build_param_set()
@@ -356,6 +358,7 @@ class DeepSpeedBinding:
         """
         if param.grad is None:
             return
+        self.eager_gradients += 1
         ps = self.param_set
         g, k = ps.locate(param)
         group = ps.groups[g]

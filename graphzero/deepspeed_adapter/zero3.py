@@ -395,6 +395,7 @@ class Zero3Binding(DeepSpeedBinding):
         gather's backward already summed it over ranks; scale it into the sink."""
         if shard.grad is None:
             return
+        self.eager_gradients += 1
         g, k = self.shard_inputs()[id(shard)]
         group = self.param_set.groups[g]
         sink = self._backward_sinks()[g]
