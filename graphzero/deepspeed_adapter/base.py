@@ -33,13 +33,12 @@ from ..errors import AutogradUsageError, GraphZeroError, InstallError, NoGradien
 from ..local_accumulation import LocalAccumulator
 from ..norm_fold import FoldedNorm
 from ..ownership import FlatGroup, ParamSet, has_tensor_hooks
+from .bound import BINDING_ATTR as _BINDING_ATTR
+from .bound import binding_of
 from .ds_internals import _deepspeed_version, _optimizer_kind, ds_attr
 from .ledger import PatchLedger
 
 log = logging.getLogger("graphzero")
-
-_BINDING_ATTR = "_graphzero_binding"
-
 
 def _noop(*_args) -> None:
     return None
@@ -51,11 +50,6 @@ def _reduced_in_graph(*_args, **_kwargs) -> None:
 
 def _identity(grad):
     return grad
-
-
-def binding_of(obj: object) -> DeepSpeedBinding | None:
-    """The binding attached to an engine or an owned parameter, if any."""
-    return getattr(obj, _BINDING_ATTR, None)
 
 
 class DeepSpeedBinding:

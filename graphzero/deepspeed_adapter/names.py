@@ -26,10 +26,14 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import OwnershipError
 from ..options import DefaultName
-from .base import DeepSpeedBinding, binding_of
+from .bound import binding_of
+
+# a base.DeepSpeedBinding (not imported: base imports this module)
+DeepSpeedBinding = Any
 
 log = logging.getLogger("graphzero")
 

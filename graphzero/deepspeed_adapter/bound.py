@@ -1,0 +1,15 @@
+"""Where an engine or an owned parameter keeps its binding: one attribute, and its reader.
+
+Its own module so that the modules a binding uses (names.py) can find bindings without importing
+base.py, which imports them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+BINDING_ATTR = "_graphzero_binding"
+
+
+def binding_of(obj: object) -> Any:
+    """The binding (a base.DeepSpeedBinding) attached to an engine or an owned parameter, if any."""
+    return getattr(obj, BINDING_ATTR, None)
