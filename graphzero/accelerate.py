@@ -191,8 +191,7 @@ def _has_gradients(engine: Any) -> bool:
     if binding is None:  # given back to DeepSpeed (graphzero.detach)
         return False
     opt = engine.optimizer
-    local = binding.param_set.local
-    if local is not None and local.pending:   # ZeRO-1: kept locally, reduced by the boundary step()
+    if binding.state.partial.pending:   # ZeRO-1: kept locally, reduced by the boundary step()
         return True
     if binding.kind == "bf16":
         return any(any(flags) for flags in opt.fp32_groups_has_gradients)

@@ -17,16 +17,16 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, local_accumulation, pending_backwards, rank_agreement, variants
-from .autograd_semantics import AccumulationProbe
+from . import deepspeed_adapter, early_attach, rank_agreement
 from .dump import GraphDump
-from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
+from .errors import AttachTooLateError, UnsupportedConfigError
 from .inductor_config import inductor_patch, register_lowerings
 from .inductor_guards import backward_patches as inductor_guard_patches
 from .inductor_guards import device_type_of
 from .options import Options
 from .ownership import Ownership, ParamSet
-from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, PassContext, backward_pipeline, run_pipeline
+from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, Mode, PassContext, backward_pipeline, run_pipeline
+from .runtime import Backward, CountForwards, EngineState, GraphBackward, Modes, label
 
 log = logging.getLogger("graphzero")
 
@@ -69,7 +69,8 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     if unused and ownership.inputs:
         log.warning("graph %s does not use engine(s) %s listed in options['engines']: this graph leaves their "
                     "gradient shards untouched", graph_id, unused)
-    transform = BackwardTransform(ownership, opts, dump, graph_id)
+    states = {b.param_set: b.state for b in bindings if b.param_set in ownership.param_sets}
+    transform = BackwardTransform(ownership, states, opts, dump, graph_id)
     # An AOT-autograd cache hit would replay a backward without the sink arguments the runtime
     # wrapper supplies, so this backend's graphs never go through that cache.
     with torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
@@ -100,8 +101,10 @@ class BackwardTransform:
     """Runs the pass pipelines on one graph's joint, forward and backward graphs and wraps the
     compiled backward."""
 
-    def __init__(self, ownership: Ownership, opts: Options, dump: GraphDump, graph_id: str) -> None:
+    def __init__(self, ownership: Ownership, states: dict[ParamSet, EngineState], opts: Options, dump: GraphDump,
+                 graph_id: str) -> None:
         self.ownership = ownership
+        self.states = states
         self.opts = opts
         self.dump = dump
         self.graph_id = graph_id
@@ -109,15 +112,14 @@ class BackwardTransform:
         self.gathers = any(o.shard for o in ownership.inputs.values())
         self.forward_ctx: PassContext | None = None
 
-    def _context(self, example_inputs: Sequence[Any], modes: variants.Modes | None = None) -> PassContext:
+    def _context(self, example_inputs: Sequence[Any], modes: Modes | None = None) -> PassContext:
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-        modes = modes or {}
         return PassContext(self.ownership, fake_mode, overlap=self.opts.overlap, collective=self.opts.collective,
                            bucket_size=self.opts.bucket_size,
-                           local={ps: m for ps, m in modes.items() if ps.held is None and m != "reduce"},
-                           held={ps: m for ps, m in modes.items() if ps.held is not None and m != "reduce"})
+                           modes={ps: m for ps, m in (modes or {}).items() if m is not Mode.REDUCE},
+                           folds_norm=frozenset(ps for ps, state in self.states.items() if state.norm is not None))
 
     def joint(self, gm: fx.GraphModule) -> None:
         """Before the partitioner splits the joint graph (ZeRO-3: gathers are recomputed, not saved)."""
@@ -138,9 +140,9 @@ class BackwardTransform:
 
     def wrap_forward(self, compiled, training: bool):
         """ZeRO-3: the ranks agree on the forward's gathers before running it; a training forward
-        counts itself for the engines whose gradients it will produce (pending_backwards.py)."""
+        counts itself for the engines whose gradients it will produce (runtime/scope.py)."""
         if training and self.ownership.param_sets:
-            compiled = pending_backwards.CountForwards(compiled, self.positions())
+            compiled = CountForwards(compiled, {self.states[ps]: pos for ps, pos in self.positions().items()})
         plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
             return compiled
@@ -154,7 +156,7 @@ class BackwardTransform:
         return {ps: tuple(sorted({(o.group, o.position) for o in self.ownership.inputs.values() if o.param_set is ps}))
                 for ps in self.ownership.param_sets}
 
-    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], modes: variants.Modes | None = None,
+    def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], modes: Modes | None = None,
                   dump: GraphDump | None = None) -> tuple[fx.GraphModule, PassContext]:
         ctx = self._context(example_inputs, modes)
         dump = dump or self.dump
@@ -171,25 +173,22 @@ class BackwardTransform:
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  compile_fn: Callable[[fx.GraphModule, list[Any], PassContext], Any]):
         """Transform and compile the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
-        compiler) and wrap it: one variant per mode of its engines (variants.py: a ZeRO-1
-        accumulation window, gradients held for a later graph of the same backward), each compiled
+        compiler) and wrap it: one variant per mode of its engines (runtime/backward.py: a ZeRO-1
+        accumulation window, gradients kept for a later graph of the same backward), each compiled
         when first needed; the plain one is compiled now, as any backward, unless a ZeRO-1 window
         makes it unlikely to run."""
-        deferred = [ps for ps in self.ownership.param_sets if ps.local is not None and ps.defers_reduction()]
-        varying = {ps: positions for ps, positions in self.positions().items()
-                   if ps.local is not None or ps.held is not None}
-
-        def compile_variant(gm: fx.GraphModule, modes: variants.Modes | None = None,
-                            dump: GraphDump | None = None):
+        def compile_variant(gm: fx.GraphModule, modes: Modes | None = None, dump: GraphDump | None = None):
             gm, ctx = self.transform(gm, example_inputs, modes, dump)
             return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)
 
-        if not varying:
+        positions = {self.states[ps]: pos for ps, pos in self.positions().items()}
+        if not positions:
             return compile_variant(gm)
         pristine = copy.deepcopy(gm)
-        compiled = {} if deferred else {("reduce",) * len(varying): compile_variant(gm)}
-        return variants.BackwardVariants(varying, lambda modes: compile_variant(
-            copy.deepcopy(pristine), modes, self.dump.variant(variants.label(modes))), compiled)
+        deferred = any(state.defers_reduction() for state in positions)
+        compiled = {} if deferred else {(Mode.REDUCE,) * len(positions): compile_variant(gm)}
+        return Backward(positions, lambda modes: compile_variant(copy.deepcopy(pristine), modes,
+                                                                 self.dump.variant(label(modes))), compiled)
 
     def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -198,124 +197,7 @@ class BackwardTransform:
     def wrap(self, compiled, ctx: PassContext):
         if not ctx.runtime_inputs:
             return compiled
-        return BackwardWithRuntimeInputs(compiled, ctx, self.graph_id, self.opts.fault_timeout_s)
-
-
-class BackwardWithRuntimeInputs:
-    """Calls a compiled backward with each engine's current shard buffers and averaging factor
-    appended to its args.
-
-    Fetched per call, not baked in: an optimizer step replaces or zeroes the buffers, and the
-    factor depends on how this backward was launched.
-    """
-
-    def __init__(self, compiled, ctx: PassContext, graph_id: str, fault_timeout_s: float | None) -> None:
-        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
-        self._boxed_call = True
-        self.compiled = compiled
-        self.runtime_inputs = list(ctx.runtime_inputs)
-        self.param_sets: list[ParamSet] = []
-        for _, ps, _ in self.runtime_inputs:
-            if ps not in self.param_sets:
-                self.param_sets.append(ps)
-        self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in self.param_sets}
-        # The tensor hooks each owned parameter had when this graph was compiled: ZeRO-1/2 leave a
-        # hooked parameter to autograd (ownership.py), ZeRO-3 runs its hooks in the gather's backward
-        # (zero3_module.py); a hook added or removed since would be dropped or run wrongly.
-        self.hooks_compiled = [(g.owned.param, g.owned.qualname, _hook_ids(g.owned.param)) for g in ctx.grads]
-        self._scale_tensors: dict[tuple[float, torch.device], torch.Tensor] = {}
-        # ZeRO-3 engines another graph of this backward reaches: "hold" or "release" (held_gradients.py)
-        self.held = dict(ctx.held)
-        self.held_positions = {ps: [(o.group, o.position) for o in ctx.held_grads.get(ps, [])] for ps in self.held}
-        reached = {ps: [g.owned for g in ctx.grads if g.owned.param_set is ps]
-                   + (ctx.held_grads.get(ps, []) if self.held.get(ps) == "hold" else []) for ps in self.param_sets}
-        self.probe = AccumulationProbe({ps: [(o.leaf if o.leaf is not None else o.param, o.qualname) for o in owned]
-                                        for ps, owned in reached.items()})
-        self.sinks_needed = {ps for kind, ps, _ in self.runtime_inputs if kind == "sink"}
-        self.what = f"graph {graph_id} (engines {[ps.name for ps in self.param_sets]})"
-        # One exchange per data-parallel group (usually all engines share one).
-        self.groups = list({ps.group_name: ps.process_group for ps in self.param_sets}.items())
-        self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
-        self.fault_timeout_s = fault_timeout_s
-        # ZeRO-1/2 engines with a local sum (a gas window, or graphs of one backward): which variant
-        # this is, and which parameters' local sums it adds to ("accumulate") or reduces ("flush")
-        self.local = dict(ctx.local)
-        self.positions = {ps: [(g.owned.group, g.owned.position) for g in ctx.grads if g.owned.param_set is ps]
-                          for ps in self.local}
-        # engines whose squared gradient norm this backward computes (fold_norm)
-        self.norm_sets = {ps for kind, ps, _ in self.runtime_inputs if kind == "norm"}
-
-    def _scale(self, value: float, device: torch.device) -> torch.Tensor:
-        # on the engine's device, as the graph's other inputs; a fill, not a host-to-device copy
-        key = (value, device)
-        if key not in self._scale_tensors:
-            self._scale_tensors[key] = torch.full((), value, dtype=torch.float32, device=device)
-        return self._scale_tensors[key]
-
-    def __call__(self, args: list[Any]) -> Any:
-        detached = [ps.name for ps in self.param_sets if ps.detached]
-        if detached:
-            raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
-                                 "call torch._dynamo.reset() or compile the step again")
-        changed = [name for param, name, ids in self.hooks_compiled if _hook_ids(param) != ids]
-        if changed:
-            raise GraphZeroError(
-                f"the tensor hooks (register_hook) of parameter(s) {changed} changed after {self.what} was "
-                "compiled, and the graph reduces their gradients where no new hook can run; register parameter "
-                "hooks before the first call of the compiled step, or call torch._dynamo.reset() to compile it "
-                "again")
-        accumulating = self.probe.accumulating()
-        buffers, scales, local, norms, folds, held = {}, {}, {}, {}, {}, {}
-        for ps in self.param_sets:
-            mode = self.local.get(ps)
-            scales[ps] = ps.runtime_scale()
-            if ps in self.norm_sets:
-                # the squares of this backward's final shards (norm_fold.py); scratch if nothing reads them
-                fold = ps.norm if accumulating[ps] else None
-                norms[ps] = {None: (fold.buffer(ps.device) if fold is not None
-                                    else torch.zeros(len(ps.groups), device=ps.device))}
-            if ps in self.held:
-                make = ps.held.buffer if accumulating[ps] else ps.held.scratch
-                held[ps] = {p: make(*p, ps.device) for p in self.held_positions[ps]}
-                if accumulating[ps] and self.held[ps] == "hold":
-                    ps.held.holding(self.held_positions[ps], scales[ps])
-            if accumulating[ps]:
-                if mode != "accumulate" and ps in self.sinks_needed:
-                    ps.mark_present(self.present[ps])
-                    buffers[ps] = ps.sinks()
-                    if ps in norms and ps.norm is not None:
-                        folds[ps] = ps.norm.writes
-                if mode is not None:
-                    local[ps] = ps.local.buffers(ps.device)
-            else:
-                # autograd.grad / backward(inputs=...) without this engine: eager autograd would
-                # write no .grad, so the shard stays untouched; the collectives still run (every
-                # rank issues the same ones) into scratch buffers.
-                buffers[ps] = ps.scratch_sinks()
-                if mode is not None:
-                    local[ps] = ps.local.scratch(ps.device)
-        runtime = {"sink": buffers, "local": local, "norm": norms, "held": held}
-        args.extend(runtime[kind][ps][g] if kind in runtime else self._scale(scales[ps], ps.device)
-                    for kind, ps, g in self.runtime_inputs)
-        for _, group in self.groups:
-            rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)
-        with rank_agreement.collective_failures(self.what):
-            out = self.compiled(args)
-        for ps, writes in folds.items():
-            ps.norm.issue(writes, norms[ps][None])
-        for ps, mode in self.local.items():
-            if accumulating[ps]:
-                (ps.local.accumulated if mode == "accumulate" else ps.local.reduced)(self.positions[ps])
-        for ps, mode in self.held.items():
-            if accumulating[ps] and mode == "release":
-                ps.held.released(self.held_positions[ps])
-        # an engine at its boundary that this micro-step's graphs do not reach still holds its window
-        local_accumulation.flush_after_this_backward()
-        return out
-
-
-def _hook_ids(param: torch.Tensor) -> tuple[int, ...]:
-    return tuple(param._backward_hooks or ())
+        return GraphBackward(compiled, ctx, self.states, self.graph_id, self.opts.fault_timeout_s)
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: BackwardTransform):

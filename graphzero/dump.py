@@ -63,7 +63,7 @@ class GraphDump:
         return cls(root, graph_id, opts.inner)
 
     def variant(self, label: str) -> GraphDump:
-        """The dump of one backward variant (variants.py) of this graph: its own graph record
+        """The dump of one backward variant (runtime/backward.py) of this graph: its own graph record
         ``<graph id>-<label>`` (and directory), marked with ``variant`` and ``variant_of``."""
         dump = GraphDump(self.root, f"{self.graph_id}-{label}", self.inner)
         dump.breaks_at_compile = self.breaks_at_compile

@@ -1,18 +1,16 @@
 """Who owns which parameter: `ParamSet` per engine, and the map from graph inputs to them.
 
-Nothing here knows about DeepSpeed: an adapter (deepspeed_adapter.py) builds `ParamSet`s from an
-engine, and passes only read them.
+Nothing here knows about DeepSpeed: the adapter (deepspeed_adapter/) builds a `ParamSet` (an
+engine's immutable layout) per engine, and passes only read them.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from .errors import OwnershipError, WorldMismatchError
-from .pending_backwards import PendingBackwards
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,14 +50,13 @@ class FlatGroup:
         return self.shard_sizes[k]
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ParamSet:
-    """The parameters one engine owns, and how their gradients must be reduced and stored.
-
-    sinks() returns, per group, the tensor this rank accumulates its reduced shard into (the
-    buffer the engine's optimizer reads in step()); the adapter zeroes and re-installs it after
-    an optimizer step. runtime_scale() is the factor for the current backward.
-    """
+    """The layout of one engine's gradients: the parameters it owns, how their gradients are
+    reduced and where this rank's shard of each param group lives. Immutable: what changes while
+    training (buffers, partial sums, counts, the folded norm) is the engine's run-time state
+    (graphzero/runtime/state.py). Passes read layouts; the adapter builds them (a rename makes a
+    new one)."""
 
     name: str
     stage: int
@@ -71,22 +68,19 @@ class ParamSet:
     comm_dtype: torch.dtype
     accum_dtype: torch.dtype
     bucket_numel: int
+    # 1/(world x gas) when the layout was built; the run-time factor is the binding's runtime_scale()
     grad_scale: float
     backend: str
-    sinks: Callable[[], list[torch.Tensor]]
-    mark_present: Callable[[Sequence[torch.nn.Parameter]], None] = lambda params: None
-    # The factor applied to this backward's reduced sum: normally grad_scale = 1/(world*gas); the
-    # adapter may say otherwise per call (e.g. the loss was already divided by gas).
-    runtime_scale: Callable[[], float] | None = None
     # the engine's device: every buffer its collectives read or write is created here (devices.py)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    # set by detach: graphs compiled while attached must not run any more
-    detached: bool = False
-    # ZeRO-3: the graph inputs standing in for owned parameters (their shards), as
-    # {id(shard): (group, position)}; read when a graph is compiled (shards may be re-created)
+    # the dtype of a partial gradient sum (runtime/partial.py): ZeRO-1/2 the accumulation dtype,
+    # ZeRO-3 the dtype of the gathered parameters' full gradients; None: accum_dtype
+    partial_dtype: torch.dtype | None = None
+    # ZeRO-3 shard maps, read when a graph is compiled (shards may be re-created, requires_grad may
+    # change): the graph inputs standing in for owned parameters, {id(shard): (group, position)};
+    # the engine's parameters gathered without an engine gradient (a LoRA base, requires_grad off),
+    # {id(shard): (name, persistent)}
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
-    # ZeRO-3: the engine's frozen parameters (a LoRA base: gathered, not owned, no gradient), as
-    # {id(shard): (name, persistent)}; their gathers are released and bucketed like the owned ones
     frozen_shards: Callable[[], dict[int, tuple[str, bool]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
@@ -97,27 +91,12 @@ class ParamSet:
     # parameter whose backward use comes within it stays gathered from the forward (release.py);
     # 0: every parameter is gathered again in backward
     reuse_distance: int = 0
-    # ZeRO-1/2 (local_accumulation.py): the local gradient sum of a ZeRO-1 accumulation window, or of
-    # the graphs of one backward before the last one reaching the engine. defers_reduction() (gas > 1;
-    # read at compile time and per backward) says whether non-boundary micro-steps stay local;
-    # at_boundary() (read per backward) whether this micro-step ends the accumulation window.
-    # a local_accumulation.LocalAccumulator (not imported: it builds on this module's FlatGroup)
-    local: Any = None
-    defers_reduction: Callable[[], bool] = lambda: False
-    at_boundary: Callable[[], bool] = lambda: True
-    # ZeRO-3 (held_gradients.py): full gradients held for the last graph of a backward that reaches
-    # this engine; a HeldGradients
-    held: Any = None
-    # training forwards reaching this engine whose backward has not run (pending_backwards.py)
-    backwards: PendingBackwards = dataclasses.field(default_factory=PendingBackwards)
-    # ZeRO-1/2 with graphzero's lean step, and ZeRO-3: a norm_fold.FoldedNorm (graphs compiled while
-    # it is set fold the squared gradient norm into the backward); None: step() computes the norm itself
-    norm: Any = None
 
     def __post_init__(self) -> None:
-        if self.runtime_scale is None:
-            self.runtime_scale = lambda: self.grad_scale
-        self._where = {id(p): (g, k) for g, grp in enumerate(self.groups) for k, p in enumerate(grp.params)}
+        if self.partial_dtype is None:
+            object.__setattr__(self, "partial_dtype", self.accum_dtype)
+        object.__setattr__(self, "_where", {id(p): (g, k) for g, grp in enumerate(self.groups)
+                                            for k, p in enumerate(grp.params)})
 
     def locate(self, param: torch.Tensor) -> tuple[int, int] | None:
         """(group index, position in group) of an owned parameter, else None."""

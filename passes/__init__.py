@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-from ._graph import Bucket, GradOutput, PassContext
+from ._graph import Bucket, GradOutput, Mode, PassContext, RuntimeInput, Slot
 from .annotate_owner import annotate_owner
 from .bucket import bucket
 from .bucket_gathers import bucket_gathers_backward, bucket_gathers_forward
@@ -80,7 +80,10 @@ __all__ = [
     "ZERO3_BACKWARD",
     "Bucket",
     "GradOutput",
+    "Mode",
     "PassContext",
+    "RuntimeInput",
+    "Slot",
     "annotate_owner",
     "backward_pipeline",
     "bucket",

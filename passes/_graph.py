@@ -7,6 +7,7 @@ it for which engine and why).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import keyword
 import re
 from collections import defaultdict
@@ -20,6 +21,32 @@ from ..ownership import OwnedInput, Ownership, ParamSet
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+
+
+class Mode(enum.Enum):
+    """How one graph's backward treats one engine's gradients (chosen per call: runtime/state.py)."""
+
+    REDUCE = "reduce"                  # reduce them (the plain backward)
+    KEEP = "keep"                      # add them into the engine's partial sums, reduce nothing
+    REDUCE_PARTIAL = "reduce_partial"  # reduce them together with their partial sums
+
+
+class Slot(enum.Enum):
+    """What the run time passes for a placeholder a pass appended to the backward graph."""
+
+    SINK = "sink"        # key: param group; the shard buffer the optimizer reads
+    SCALE = "scale"      # key: None; the 0-d fp32 averaging factor of this call
+    PARTIAL = "partial"  # key: param group (ZeRO-1/2, flat) or (group, position) (ZeRO-3); a partial sum
+    NORM = "norm"        # key: None; one fp32 squared norm per param group (fold_norm)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RuntimeInput:
+    """One appended placeholder: its kind, engine and key."""
+
+    kind: Slot
+    param_set: ParamSet
+    key: Any = None
 
 
 @dataclasses.dataclass
@@ -59,21 +86,15 @@ class PassContext:
     buckets: list[Bucket] = dataclasses.field(default_factory=list)
     # bucket index -> node holding this rank's reduced chunk of that bucket
     reduced: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
-    # placeholders appended to the backward graph, in order, and what the runtime passes for
-    # each: ("sink", param_set, group) -> that group's shard buffer, ("scale", param_set, None) ->
-    # the 0-d fp32 factor for this call, ("held", param_set, (group, position)) -> a ZeRO-3
-    # parameter's held full gradient
-    runtime_inputs: list[tuple[str, ParamSet, Any]] = dataclasses.field(default_factory=list)
-    # ZeRO-1/2 engines with a local sum, in the variant being compiled: "accumulate" (a ZeRO-1
-    # non-boundary micro-step, or another graph of this backward follows: add into the local
-    # buffer, no collective) or "flush" (reduce local buffer + gradient). Engines not listed reduce.
-    local: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
-    # ZeRO-3 engines reached by another graph of the same backward (held_gradients.py), in the
-    # variant being compiled: "hold" (add full gradients into the held buffer, reduce nothing) or
-    # "release" (reduce gradient + held). Engines not listed reduce as usual.
-    held: dict[ParamSet, str] = dataclasses.field(default_factory=dict)
-    # per held engine, the owned inputs whose gradients hold_shard_grads held or released
-    held_grads: dict[ParamSet, list[OwnedInput]] = dataclasses.field(default_factory=dict)
+    # placeholders appended to the backward graph, in order (the run time supplies each per call)
+    runtime_inputs: list[RuntimeInput] = dataclasses.field(default_factory=list)
+    # the variant being compiled: engines whose gradients are kept or reduced with their partial
+    # sums (local_accumulate: ZeRO-1/2, hold_shard_grads: ZeRO-3); engines not listed reduce
+    modes: dict[ParamSet, Mode] = dataclasses.field(default_factory=dict)
+    # per engine with a mode, the owned inputs whose gradients went into or came with a partial sum
+    partial_grads: dict[ParamSet, list[OwnedInput]] = dataclasses.field(default_factory=dict)
+    # engines whose optimizer step reads the squared gradient norm folded into the backward (fold_norm)
+    folds_norm: frozenset[ParamSet] = frozenset()
     # per ParamSet (by identity: two engines may share a name): counters the dump reports
     stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
     # ZeRO-3 collectives in graph order, one entry per parameter all-gather ("fwd"/"bwd") or shard
@@ -94,8 +115,7 @@ class PassContext:
         # The variant is part of the plan: ranks that disagree on the boundary raise, not hang.
         return [(b.param_set.name, b.group, b.lo, b.hi, str(b.param_set.comm_dtype), self.collective)
                 for b in self.buckets] + list(self.zero3_plan) + [
-                    ("local", ps.name, mode) for ps, mode in self.local.items()] + [
-                    ("held", ps.name, mode) for ps, mode in self.held.items()]
+                    ("partial", ps.name, mode.value) for ps, mode in self.modes.items()]
 
     def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
         self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount
@@ -167,15 +187,15 @@ def placeholder_target(graph: fx.Graph, name: str) -> str:
 
 
 def append_placeholder(gm: fx.GraphModule, ctx: PassContext, pass_name: str, name: str, val: torch.Tensor,
-                       kind: str, ps: ParamSet, g: int | None, why: str) -> fx.Node:
+                       kind: Slot, ps: ParamSet, key: Any, why: str) -> fx.Node:
     """A new last placeholder whose real tensor the runtime supplies on every call (recorded in
-    ``ctx.runtime_inputs`` as ``(kind, ps, g)``); ``val`` is its fake value."""
+    ``ctx.runtime_inputs``); ``val`` is its fake value."""
     last = list(gm.graph.find_nodes(op="placeholder"))[-1]
     with gm.graph.inserting_after(last):
         node = gm.graph.placeholder(placeholder_target(gm.graph, name))
     node.meta["val"] = val
     node.meta["graphzero"] = {"pass": pass_name, "engine": ps.name, "why": why}
-    ctx.runtime_inputs.append((kind, ps, g))
+    ctx.runtime_inputs.append(RuntimeInput(kind, ps, key))
     return node
 
 

@@ -1,6 +1,6 @@
 """fold_norm: the squared gradient norm of each param group's final shard, in the backward.
 
-For an engine whose optimizer step reads a folded norm (``ParamSet.norm``: ZeRO-1/2 with the lean
+For an engine whose optimizer step reads a folded norm (``ctx.folds_norm``: ZeRO-1/2 with the lean
 step, ZeRO-3 through DeepSpeed's own step) and whose every param group this backward accumulates
 into (ZeRO-3: every parameter of it), it appends one placeholder (a ``(num_groups,)`` fp32 buffer
 the runtime supplies, kind ``"norm"``) and inserts, for each group:
@@ -13,7 +13,7 @@ square of a norm is taken as the sum of squares it is the root of, within an fp6
 copies the squares into the buffer. The pieces: ZeRO-1/2, slices of the accumulated shard with the
 padding excluded (DeepSpeed's ``scaled_global_norm``); ZeRO-3, each parameter's whole partition as
 fp32_accumulate wrote it (DeepSpeed norms the same views; their padding holds zeros). The sum over
-ranks happens after the backward (norm_fold.py). An engine with a group (ZeRO-3: a parameter) this
+ranks happens after the backward (graphzero/runtime/norm.py). An engine with a group (ZeRO-3: a parameter) this
 graph does not write gets nothing: its shards' norm is not known here, and step() computes it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ._graph import Inserter, PassContext, append_placeholder, output_node
+from ._graph import Inserter, Mode, PassContext, Slot, append_placeholder, output_node
 
 PASS = "fold_norm"
 aten = torch.ops.aten
@@ -57,7 +57,7 @@ def _sources(ctx: PassContext, ps) -> list | None:
 
 def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
-        if ps.norm is None or ctx.local.get(ps) == "accumulate":
+        if ps not in ctx.folds_norm or (ctx.modes.get(ps) is Mode.KEEP and not any(g.presharded for g in ps.groups)):
             continue
         sources = _sources(ctx, ps)
         if sources is None:
@@ -66,7 +66,7 @@ def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         device = first.meta["val"].device
         with ctx.fake_mode:
             val = torch.empty((len(ps.groups),), dtype=torch.float32, device=device)
-        buf = append_placeholder(gm, ctx, PASS, f"graphzero_norm_{ps.name}", val, "norm", ps, None,
+        buf = append_placeholder(gm, ctx, PASS, f"graphzero_norm_{ps.name}", val, Slot.NORM, ps, None,
                                  f"squared gradient norm of each of {len(ps.groups)} param group shard(s)")
         ins = Inserter(gm, ctx, PASS, after=output_node(gm).prev)
         squares = []

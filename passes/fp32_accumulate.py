@@ -24,7 +24,16 @@ import torch
 from torch import fx
 
 from ..ownership import ParamSet
-from ._graph import Inserter, PassContext, drop_outputs, output_node, placeholder_target
+from ._graph import (
+    Inserter,
+    Mode,
+    PassContext,
+    RuntimeInput,
+    Slot,
+    drop_outputs,
+    output_node,
+    placeholder_target,
+)
 
 PASS = "fp32_accumulate"
 aten = torch.ops.aten
@@ -114,7 +123,7 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ins = Inserter(gm, ctx, PASS, after=out.prev)
     scales: dict[ParamSet, fx.Node] = {}
 
-    def placeholder(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, kind: str,
+    def placeholder(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, kind: Slot,
                     ps: ParamSet, g: int | None, why: str) -> fx.Node:
         nonlocal anchor
         with graph.inserting_after(anchor):
@@ -123,19 +132,19 @@ def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with ctx.fake_mode:
             node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
         node.meta["graphzero"] = {"pass": PASS, "engine": ps.name, "why": why}
-        ctx.runtime_inputs.append((kind, ps, g))
+        ctx.runtime_inputs.append(RuntimeInput(kind, ps, g))
         return node
 
     for ps, g in targets:
         group = ps.groups[g]
         shard = group.shard_numel(ps.world_size)
         device = ctx.grads_of(ps, g)[0].node.meta["val"].device
-        sink = placeholder(f"graphzero_sink_{ps.name}_{g}", (shard,), ps.accum_dtype, device, "sink", ps, g,
+        sink = placeholder(f"graphzero_sink_{ps.name}_{g}", (shard,), ps.accum_dtype, device, Slot.SINK, ps, g,
                            f"{ps.accum_dtype} gradient shard of param group {g} ({shard} elements)")
         # local_accumulate already applied the factor to each micro-step's gradient
-        prescaled = ctx.local.get(ps) == "flush"
+        prescaled = ctx.modes.get(ps) is Mode.REDUCE_PARTIAL and not group.presharded
         if ps not in scales and not prescaled:
-            scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, "scale", ps, None,
+            scales[ps] = placeholder(f"graphzero_scale_{ps.name}", (), torch.float32, device, Slot.SCALE, ps, None,
                                      f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         scale = None if prescaled else scales[ps]
         if group.presharded:

@@ -2,16 +2,17 @@
 reaches are held, and the last such graph reduces each parameter's sum once.
 
 Runs after sum_shard_grads (one reduce-scatter per parameter in this graph) and before
-bucket_shard_grads, only in the variants that need it (``ctx.held``, held_gradients.py). For each
-of the engine's shard gradients ``wait(reduce_scatter(x))`` it appends one placeholder for that
-parameter's held sum (kind ``"held"``, a padded full gradient), then:
+bucket_shard_grads, only in the variants that need it (``ctx.modes`` of ZeRO-3 engines; their
+per-parameter partial sums: graphzero/runtime/partial.py). For each of the engine's shard
+gradients ``wait(reduce_scatter(x))`` it appends one placeholder for that parameter's held sum
+(``Slot.PARTIAL``, a padded full gradient), then:
 
-- ``"hold"``: ``held + x`` -> ``aten.copy_`` into ``held``, right after ``x``; the reduce-scatter,
+- ``Mode.KEEP``: ``held + x`` -> ``aten.copy_`` into ``held``, right after ``x``; the reduce-scatter,
   its wait and the graph output go (None: no shard is written, nothing is reduced here);
-- ``"release"``: the reduce-scatter reads ``x + held`` instead of ``x``: one reduction of every
+- ``Mode.REDUCE_PARTIAL``: the reduce-scatter reads ``x + held`` instead of ``x``: one reduction of every
   contribution of this backward. The runtime drops the released sums after the call.
 
-Records the owned inputs it held or released in ``ctx.held_grads`` and the count as ``held`` /
+Records the owned inputs it held or released in ``ctx.partial_grads`` and the count as ``held`` /
 ``released`` per engine for the dump.
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch import fx
 
 from ._graph import (
     Inserter,
+    Mode,
     PassContext,
+    Slot,
     append_placeholder,
     drop_outputs,
     hoist,
@@ -40,32 +43,34 @@ def _as(ins: Inserter, x: fx.Node, dtype: torch.dtype, ps, why: str) -> fx.Node:
 
 
 def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.held:
+    held = {ps: mode for ps, mode in ctx.modes.items() if any(g.presharded for g in ps.groups)}
+    if not held:
         return gm
     reductions = shard_grad_reductions(gm, ctx)
     out = output_node(gm)
     dropped: list[tuple[fx.Node, fx.Node]] = []   # (reduce-scatter, wait) of held gradients
-    for ps, mode in ctx.held.items():
+    for ps, mode in held.items():
         for rs, wait, owned in (r for r in reductions if r[2].param_set is ps):
             x = rs.args[0]
             g, k = owned.group, owned.position
             with ctx.fake_mode:
-                val = torch.empty((ps.held.numel(g, k),), dtype=ps.held.dtype, device=x.meta["val"].device)
-            held = append_placeholder(gm, ctx, PASS, f"graphzero_held_{ps.name}_{g}_{k}", val, "held", ps, (g, k),
+                val = torch.empty((ps.world_size * ps.groups[g].shard_numel_of(k),), dtype=ps.partial_dtype,
+                                  device=x.meta["val"].device)
+            kept = append_placeholder(gm, ctx, PASS, f"graphzero_held_{ps.name}_{g}_{k}", val, Slot.PARTIAL, ps, (g, k),
                                       f"{owned.qualname}'s full gradient held from other graphs of this backward")
             hoist(gm, x)
-            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, held]))
-            if mode == "hold":
-                total = ins.call(aten.add.Tensor, (held, _as(ins, x, ps.held.dtype, ps, "in the held dtype")),
+            ins = Inserter(gm, ctx, PASS, after=last_in_order(gm, [x, kept]))
+            if mode is Mode.KEEP:
+                total = ins.call(aten.add.Tensor, (kept, _as(ins, x, ps.partial_dtype, ps, "in the held dtype")),
                                  engine=ps.name, why=f"hold {owned.qualname}'s gradient: another graph reduces it")
-                ins.call(aten.copy_.default, (held, total), engine=ps.name, why="write the held sum")
+                ins.call(aten.copy_.default, (kept, total), engine=ps.name, why="write the held sum")
                 dropped.append((rs, wait))
             else:
-                total = ins.call(aten.add.Tensor, (x, _as(ins, held, x.meta["val"].dtype, ps, "in the gradient's dtype")),
+                total = ins.call(aten.add.Tensor, (x, _as(ins, kept, x.meta["val"].dtype, ps, "in the gradient's dtype")),
                                  engine=ps.name, why=f"{owned.qualname}'s gradient of every graph of this backward")
                 rs.replace_input_with(x, total)
-            ctx.count(ps, "held" if mode == "hold" else "released")
-            ctx.held_grads.setdefault(ps, []).append(owned)
+            ctx.count(ps, "held" if mode is Mode.KEEP else "released")
+            ctx.partial_grads.setdefault(ps, []).append(owned)
     if dropped:
         values = list(out.args[0])
         drop_outputs(gm, [values.index(wait) for _, wait in dropped])

@@ -4,15 +4,16 @@ ZeRO-1/2 engine reached by two graphs of one backward once per backward.
 DeepSpeed eager ZeRO-1 accumulates micro-step gradients locally and reduces only at the
 gradient-accumulation boundary. A compiled graph cannot skip a collective at run time (every rank
 runs the same graph), so the backend compiles one variant of the backward per boundary state of
-such engines (``ctx.local``: ParamSet -> mode; also while another graph of the same backward
-will still reach the engine, graphzero/variants.py) and this pass makes the difference. Per engine and
+such engines (``ctx.modes``; also while another graph of the same backward will still reach the
+engine: graphzero/runtime/) and this pass makes the difference for ZeRO-1/2 engines (flat partial
+sums, runtime/partial.py). Per engine and
 param group it appends one placeholder for the window's local full-size buffer (laid out like the
 flat group, accumulation dtype) and, per engine, one for the averaging factor; then:
 
-- ``"accumulate"`` (not a boundary, or not the last graph): before the output, ``buffer + cat(gradient x factor, zeros
+- ``Mode.KEEP`` (not a boundary, or not the last graph): before the output, ``buffer + cat(gradient x factor, zeros
   where this graph has no gradient)`` -> ``aten.copy_`` into the buffer. The engine's buckets are
   dropped: no collective, no shard write.
-- ``"flush"`` (the boundary, or the last graph): right after each owned gradient, ``buffer slice + gradient x factor``
+- ``Mode.REDUCE_PARTIAL`` (the boundary, or the last graph): right after each owned gradient, ``buffer slice + gradient x factor``
   (flat, accumulation dtype) replaces that gradient for the passes after this one: its buckets
   reduce the window's sum, and fp32_accumulate adds it to the shard without scaling again. The
   runtime zeroes the flushed slices after the call.
@@ -26,7 +27,7 @@ import torch
 from torch import fx
 
 from ..ownership import ParamSet
-from ._graph import Inserter, PassContext, append_placeholder, last_in_order, output_node
+from ._graph import Inserter, Mode, PassContext, Slot, append_placeholder, last_in_order, output_node
 
 PASS = "local_accumulate"
 aten = torch.ops.aten
@@ -78,27 +79,29 @@ def _flush(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, buf: fx.N
 
 
 def local_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.local:
+    flat = {ps: mode for ps, mode in ctx.modes.items() if not any(g.presharded for g in ps.groups)}
+    if not flat:
         return gm
-    for ps, mode in ctx.local.items():
+    for ps, mode in flat.items():
         groups = sorted({grad.owned.group for grad in ctx.grads if grad.owned.param_set is ps})
         if not groups:
             continue
+        ctx.partial_grads[ps] = [grad.owned for grad in ctx.grads if grad.owned.param_set is ps]
         device = ctx.grads_of(ps, groups[0])[0].node.meta["val"].device
         bufs = {}
         for g in groups:
             with ctx.fake_mode:
                 val = torch.empty((ps.groups[g].numel,), dtype=ps.accum_dtype, device=device)
-            bufs[g] = append_placeholder(gm, ctx, PASS, f"graphzero_local_{ps.name}_{g}", val, "local", ps, g,
+            bufs[g] = append_placeholder(gm, ctx, PASS, f"graphzero_local_{ps.name}_{g}", val, Slot.PARTIAL, ps, g,
                                          f"{ps.accum_dtype} local gradient sum of param group {g} (this window)")
         with ctx.fake_mode:
             val = torch.empty((), dtype=torch.float32, device=device)
-        scale = append_placeholder(gm, ctx, PASS, f"graphzero_local_scale_{ps.name}", val, "scale", ps, None,
+        scale = append_placeholder(gm, ctx, PASS, f"graphzero_local_scale_{ps.name}", val, Slot.SCALE, ps, None,
                                    f"averaging factor, normally 1/(world {ps.world_size} x gas)")
         for g in groups:
-            (_accumulate if mode == "accumulate" else _flush)(gm, ctx, ps, g, bufs[g], scale)
+            (_accumulate if mode is Mode.KEEP else _flush)(gm, ctx, ps, g, bufs[g], scale)
             ctx.count(ps, "local_accumulate", len(ctx.grads_of(ps, g)))
-        if mode == "accumulate":
+        if mode is Mode.KEEP:
             # nothing to reduce this micro-step
             dropped = [b for b in ctx.buckets if b.param_set is ps]
             ctx.buckets = [b for b in ctx.buckets if b.param_set is not ps]

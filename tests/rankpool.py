@@ -16,7 +16,6 @@ import os
 import pathlib
 import shutil
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -65,11 +64,9 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, fa
             # reset() keeps Dynamo's counters: a scenario's graph breaks must not show in the next one's dump
             torch._dynamo.utils.counters.clear()
             # reset() clears Dynamo's compile-start callbacks but keeps graphzero's early attach:
-            # every scenario after the first runs right after a reset, as a notebook would.
-            if "graphzero" in sys.modules:
-                # A scenario that fails on purpose (ranks that disagree) can leave ZeRO-1 window sums
-                # pending on one rank only; the next scenario's first backward would flush them there alone.
-                sys.modules["graphzero.local_accumulation"]._WITH_PENDING.clear()
+            # every scenario after the first runs right after a reset, as a notebook would. A scenario
+            # that fails on purpose can leave partial sums pending on one rank only: they are its
+            # engines' (runtime/state.py), and no later scenario's backward reaches them.
     dist.destroy_process_group()
 
 

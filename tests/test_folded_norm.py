@@ -64,7 +64,7 @@ def folded_norm_scenario(stage: int, gas: int, dtype: str, safety_net: bool, ste
             assert norm_gz > CLIP, f"norm {norm_gz} does not exceed the clip: clipping untested"
         for pa, pb in zip(full_params(gz["m"]), full_params(eager["m"])):   # ZeRO-3: gathered
             torch.testing.assert_close(pa, pb, rtol=tol, atol=1e-5 if dtype == "fp32" else 1e-2, msg=what)
-    fold = binding_of(gz["m"]).param_set.norm
+    fold = binding_of(gz["m"]).state.norm
     assert fold is not None and fold.folded + fold.blocking == steps, (fold.folded, fold.blocking)
     if not safety_net:
         assert fold.folded == steps and fold.blocking == 0, (fold.folded, fold.blocking)

@@ -104,7 +104,7 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
     # the norm came from the compiled backward (norm_fold.py), never from a blocking all-reduce
     from graphzero.deepspeed_adapter import binding_of
     for name, eng in lean.items():
-        fold = binding_of(eng).param_set.norm
+        fold = binding_of(eng).state.norm
         assert fold is not None and (fold.folded, fold.blocking) == (steps, 0), (name, fold.folded, fold.blocking)
     assert lrs == sorted(lrs) and lrs[0] < lrs[-1], f"the LR scheduler did not advance: {lrs}"
     # detach gives each master a storage of its own again, with the trained values

@@ -19,7 +19,7 @@ from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTIn
 from torch._subclasses import FakeTensorMode
 
 from graphzero.ownership import FlatGroup, Ownership, ParamSet
-from graphzero.passes import PIPELINE, PassContext, run_pipeline
+from graphzero.passes import PIPELINE, Mode, PassContext, Slot, run_pipeline
 
 SHAPES = [(5, 3), (7,), (4, 4)]          # 15, 7 and 16 elements
 OFFSETS = [0, 16, 24]                    # padding after the first two, as DeepSpeed aligns them
@@ -31,8 +31,7 @@ def build(bucket_size: int, backend: str, present: tuple[int, ...] = (0, 1, 2)):
     params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
     ps = ParamSet(name="disc", stage=2, groups=(FlatGroup(tuple(params), ("a", "b", "c"), tuple(OFFSETS), NUMEL, True),),
                   process_group=None, group_name="7", world_size=2, rank=1, comm_dtype=torch.float32,
-                  accum_dtype=torch.float32, bucket_numel=bucket_size, grad_scale=0.25, backend=backend,
-                  sinks=list)
+                  accum_dtype=torch.float32, bucket_numel=bucket_size, grad_scale=0.25, backend=backend)
     graph = fx.Graph()
     grads = [graph.placeholder(f"grad_{i}") for i in range(len(SHAPES))]
     for node, shape in zip(grads, SHAPES):
@@ -112,8 +111,8 @@ def test_the_lowered_reduce_scatter_sums_each_ranks_chunk():
     gm.recompile()
     grads = [torch.randn(s) for s in SHAPES]
     sink = torch.zeros(20)
-    runtime = {"sink": sink, "scale": torch.tensor(1.0)}
-    gm(*grads, *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    runtime = {Slot.SINK: sink, Slot.SCALE: torch.tensor(1.0)}
+    gm(*grads, *(runtime[slot.kind] for slot in ctx.runtime_inputs))
     flat = torch.zeros(NUMEL)
     for g, offset in zip(grads, OFFSETS):
         flat[offset:offset + g.numel()] = g.reshape(-1)
@@ -175,12 +174,12 @@ def test_local_accumulate_keeps_a_non_boundary_micro_step_local():
     # ZeRO-1 with gas > 1, not at the boundary: no collective, no shard; the scaled gradients land
     # at their flat offsets of the window's local buffer (placeholders: 3 grads, buffer, factor).
     gm, ctx, ps = build(bucket_size=16, backend="nccl")
-    ctx.local[ps] = "accumulate"
+    ctx.modes[ps] = Mode.KEEP
     gm = run_pipeline(gm, ctx)
     assert not ctx.buckets and not ctx.reduced
     assert not targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
     assert not targets(gm, torch.ops._c10d_functional.all_reduce.default)
-    assert [kind for kind, _, _ in ctx.runtime_inputs] == ["local", "scale"]
+    assert [slot.kind for slot in ctx.runtime_inputs] == [Slot.PARTIAL, Slot.SCALE]
     grads = [torch.randn(s) for s in SHAPES]
     local = torch.ones(NUMEL)
     assert gm(*grads, local, torch.tensor(0.25)) == (None, None, None)
@@ -195,17 +194,17 @@ def test_local_accumulate_reduces_the_window_sum_at_the_boundary():
     # At the boundary each bucket carries (local sum + scaled gradient); fp32_accumulate adds the
     # reduced chunk to the shard without scaling it a second time.
     gm, ctx, ps = build(bucket_size=16, backend="nccl")
-    ctx.local[ps] = "flush"
+    ctx.modes[ps] = Mode.REDUCE_PARTIAL
     gm = run_pipeline(gm, ctx)
     rs = targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
     assert len(rs) == 3
     local = next(n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("graphzero_local_disc"))
     reads = [u for u in local.users if u.target is torch.ops.aten.slice.Tensor]
     assert len(reads) == 3, "each gradient adds its slice of the window's sum"
-    assert [kind for kind, _, _ in ctx.runtime_inputs] == ["local", "scale", "sink"]
+    assert [slot.kind for slot in ctx.runtime_inputs] == [Slot.PARTIAL, Slot.SCALE, Slot.SINK]
     muls = [n for n in targets(gm, torch.ops.aten.mul.Tensor) if n.meta["graphzero"]["pass"] == "fp32_accumulate"]
     assert muls == []
-    assert ("local", "disc", "flush") in ctx.collective_plan
+    assert ("partial", "disc", "reduce_partial") in ctx.collective_plan
 
 
 # -- ZeRO-3: gradients held for the last graph of a backward (hold_shard_grads) ------------------
@@ -215,7 +214,6 @@ SHARDS = [8, 3]   # two ZeRO-3 parameters' shard sizes on 2 ranks (the full grad
 def build_zero3_backward():
     """A ZeRO-3 backward as the gathers' backward leaves it: per parameter, its padded full
     gradient -> reduce_scatter -> wait -> output (the shard's gradient)."""
-    from graphzero.held_gradients import HeldGradients
     fake = FakeTensorMode()
     shards = [torch.zeros(n, requires_grad=True) for n in SHARDS]
     params = [torch.nn.Parameter(torch.empty(0)) for _ in SHARDS]
@@ -223,8 +221,7 @@ def build_zero3_backward():
                       shard_sizes=tuple(SHARDS), full_numels=(15, 5))
     ps = ParamSet(name="disc", stage=3, groups=(group,), process_group=None, group_name="7", world_size=2, rank=0,
                   comm_dtype=torch.float32, accum_dtype=torch.float32, bucket_numel=10**9, grad_scale=0.5,
-                  backend="nccl", sinks=list, shard_inputs=lambda: {id(s): (0, k) for k, s in enumerate(shards)})
-    ps.held = HeldGradients(ps.groups, 2, torch.float32)
+                  backend="nccl", shard_inputs=lambda: {id(s): (0, k) for k, s in enumerate(shards)})
     c10d = torch.ops._c10d_functional
     graph = fx.Graph()
     outs = []
@@ -245,24 +242,24 @@ def build_zero3_backward():
 def test_hold_keeps_full_gradients_for_the_last_graph_and_reduces_nothing():
     from graphzero.passes import hold_shard_grads
     gm, ctx, ps = build_zero3_backward()
-    ctx.held[ps] = "hold"
+    ctx.modes[ps] = Mode.KEEP
     gm = hold_shard_grads(gm, ctx)
     assert not targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)
     # one held sum per parameter (its padded full gradient)
-    assert [(kind, g) for kind, _, g in ctx.runtime_inputs] == [("held", (0, 0)), ("held", (0, 1))]
+    assert [(slot.kind, slot.key) for slot in ctx.runtime_inputs] == [(Slot.PARTIAL, (0, 0)), (Slot.PARTIAL, (0, 1))]
     fulls = [torch.randn(2 * n) for n in SHARDS]
     held = [torch.ones(2 * n) for n in SHARDS]
     assert gm(*fulls, *held) == (None, None)
     for h, full in zip(held, fulls):
         torch.testing.assert_close(h, 1 + full)
-    assert [o.position for o in ctx.held_grads[ps]] == [0, 1] and ctx.stats[ps]["held"] == 2
-    assert ("held", "disc", "hold") in ctx.collective_plan
+    assert [o.position for o in ctx.partial_grads[ps]] == [0, 1] and ctx.stats[ps]["held"] == 2
+    assert ("partial", "disc", "keep") in ctx.collective_plan
 
 
 def test_release_reduces_each_gradient_plus_what_was_held():
     from graphzero.passes import hold_shard_grads
     gm, ctx, ps = build_zero3_backward()
-    ctx.held[ps] = "release"
+    ctx.modes[ps] = Mode.REDUCE_PARTIAL
     gm = hold_shard_grads(gm, ctx)
     for k, rs in enumerate(targets(gm, torch.ops._c10d_functional.reduce_scatter_tensor.default)):
         total = rs.args[0]
@@ -285,7 +282,7 @@ def test_matmul_gradients_are_written_into_the_bucket():
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     ps = ParamSet(name="disc", stage=2, groups=(FlatGroup(tuple(params), ("a", "b", "c"), tuple(offsets), numel, True),),
                   process_group=None, group_name="7", world_size=2, rank=1, comm_dtype=torch.float32,
-                  accum_dtype=torch.float32, bucket_numel=10**9, grad_scale=0.25, backend="gloo", sinks=list)
+                  accum_dtype=torch.float32, bucket_numel=10**9, grad_scale=0.25, backend="gloo")
     aten = torch.ops.aten
     graph = fx.Graph()
     inputs = {name: graph.placeholder(name) for name in ("x", "y", "b_grad", "p", "q", "r", "s")}
@@ -326,8 +323,8 @@ def test_matmul_gradients_are_written_into_the_bucket():
     gm.recompile()
     values = {name: torch.randn(shape_of[name]) for name in inputs}
     sink = torch.zeros(28)
-    runtime = {"sink": sink, "scale": torch.tensor(1.0), "norm": torch.zeros(1)}
-    gm(*values.values(), *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    runtime = {Slot.SINK: sink, Slot.SCALE: torch.tensor(1.0), Slot.NORM: torch.zeros(1)}
+    gm(*values.values(), *(runtime[slot.kind] for slot in ctx.runtime_inputs))
     v = values
     grads = [v["x"].t() @ v["y"], v["b_grad"], v["p"].t() @ v["q"] + v["r"].t() @ v["s"]]
     flat = torch.zeros(numel)

@@ -255,7 +255,7 @@ def chain_scenario() -> dict:
     def after_backward(*engs) -> None:
         assert_no_full_grads(*engs)
         # how many parameters each engine holds locally, not reduced yet
-        pending.append(tuple(len(e._graphzero_binding.param_set.local.pending) for e in engs))
+        pending.append(tuple(len(e._graphzero_binding.state.partial.pending) for e in engs))
 
     train_chain(engines, ref, frozen, side, gas=GAS, steps=STEPS, inner="inductor",
                 after_backward=after_backward, params_close=assert_params_close)

@@ -21,6 +21,7 @@ parameters (``_graphzero_binding``, set last), not in a module-level registry.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Sequence
@@ -28,10 +29,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import devices, local_accumulation, rank_agreement
-from ..errors import AutogradUsageError, GraphZeroError, InstallError, NoGradientError, UnsupportedConfigError
-from ..local_accumulation import LocalAccumulator
-from ..norm_fold import FoldedNorm
+from .. import devices, rank_agreement, runtime
+from ..errors import AutogradUsageError, GraphZeroError, InstallError, UnsupportedConfigError
 from ..ownership import FlatGroup, ParamSet, has_tensor_hooks
 from .bound import BINDING_ATTR as _BINDING_ATTR
 from .bound import binding_of
@@ -53,7 +52,8 @@ def _identity(grad):
 
 
 class DeepSpeedBinding:
-    """graphzero's hold on one DeepSpeed engine; subclasses bind one optimizer family."""
+    """graphzero's hold on one DeepSpeed engine; subclasses bind one optimizer family. Implements
+    `runtime.EngineBinding` for the engine's run-time state (``self.state``)."""
 
     def __init__(self, engine, name: str) -> None:
         self.engine = engine
@@ -65,9 +65,10 @@ class DeepSpeedBinding:
         self._logged_hooked: set[int] = set()
         # gradients the eager safety net reduced (compiled graphs deliver none): for benchmarks
         self.eager_gradients = 0
-        # Whether a backward wrote this engine's shards since its last optimizer step.
-        self.received_gradient = False
         self.param_set = self._build_param_set()
+        # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at the
+        # gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 and 3 every micro-step.
+        self.state = runtime.EngineState(self.param_set, self, window=self.param_set.stage == 1)
 
     # -- layout and buffers: one subclass per optimizer family ---------------------------------
     def _flat_groups(self, names: dict[int, str]) -> tuple[list[FlatGroup], torch.dtype]:
@@ -84,6 +85,16 @@ class DeepSpeedBinding:
     def mark_present(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Tell the optimizer these parameters received a gradient (only some optimizers need it)."""
 
+    def at_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps()
+
+    def _layout_extras(self) -> dict:
+        """Layout fields only some optimizer families set (ZeRO-3: shard maps, gather plan)."""
+        return {}
+
     def wait_params(self) -> None:
         """Wait for a deferred all-gather of this engine's parameters (only ZeRO-1/2 defers one)."""
 
@@ -91,8 +102,10 @@ class DeepSpeedBinding:
         """Options ``lean_step`` / ``defer_param_gather`` (None: keep): only ZeRO-1/2 has a lean step."""
 
     def rename(self, name: str) -> None:
-        """The engine's name from now on (attach: names.py decides it)."""
-        self.name = self.param_set.name = name
+        """The engine's name from now on (attach: names.py decides it); graphs compiled earlier keep
+        the old layout under the old name."""
+        self.name = name
+        self.param_set = self.state.layout = dataclasses.replace(self.param_set, name=name)
         self.ledger.owner = f"engine {name!r}"
 
     @property
@@ -116,42 +129,16 @@ class DeepSpeedBinding:
             raise UnsupportedConfigError(
                 f"engine {self.name!r}: its parameters are on {device}, which its data-parallel group's backend "
                 f"{dist.get_backend(pg)!r} cannot reduce (it takes {list(devices.group_device_types(pg))})")
-        ps = ParamSet(
+        return ParamSet(
             name=self.name, stage=engine.zero_optimization_stage(), groups=tuple(groups), process_group=pg,
             group_name=pg.group_name if pg is not None else dist.group.WORLD.group_name,
             world_size=world, rank=rank, comm_dtype=engine.communication_data_type, accum_dtype=accum_dtype,
             bucket_numel=int(engine.zero_reduce_bucket_size()),
             grad_scale=1.0 / (world * engine.gradient_accumulation_steps()),
-            backend=str(dist.get_backend(pg)), sinks=self._backward_sinks, mark_present=self.mark_present,
-            runtime_scale=self.runtime_scale, device=device)
-        if ps.stage == 1:
-            # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at
-            # the gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 reduces every
-            # micro-step. gas is read when a graph is compiled and the boundary per backward.
-            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local,
-                                        flush=self._flush_local, at_boundary=engine.is_gradient_accumulation_boundary)
-            ps.defers_reduction = lambda: engine.gradient_accumulation_steps() > 1
-            ps.at_boundary = engine.is_gradient_accumulation_boundary
-        elif ps.stage == 2:
-            # only the graphs of one backward before the last one reaching the engine keep their
-            # gradients local (pending_backwards.py); every backward's end reduces what is left
-            ps.local = LocalAccumulator(ps.groups, accum_dtype, on_accumulate=self._received_local,
-                                        flush=self._flush_local)
-        return ps
-
-    def _received_local(self) -> None:
-        # a window's gradient kept locally is still a gradient for step() (the NoGradientError check)
-        self.received_gradient = True
+            backend=str(dist.get_backend(pg)), device=device, **self._layout_extras())
 
     def _process_groups(self) -> list:
         return list(self.engine.optimizer.real_dp_process_group)
-
-    def _backward_sinks(self) -> list[torch.Tensor]:
-        """sinks() for a backward that writes them: the engine now has a gradient to step on."""
-        self.received_gradient = True
-        if self.param_set.norm is not None:
-            self.param_set.norm.wrote()   # a norm folded before this write is stale (norm_fold.py)
-        return self.sinks()
 
     def runtime_scale(self) -> float:
         """This backward's factor for the engine's summed gradient: each engine's gradient is
@@ -248,28 +235,18 @@ class DeepSpeedBinding:
 
         def zero_engine(*args, **kwargs):
             engine_zero_grad(*args, **kwargs)
-            self._forget_gradients()
+            self.state.zero_grad()
 
         def zero_optimizer(*args, **kwargs):
             optimizer_zero_grad(*args, **kwargs)
-            self._forget_gradients()
+            self.state.zero_grad()
 
         engine_step = engine.step
 
         def step(*args, **kwargs):
-            # DeepSpeed would fail deep inside its optimizer (TypeError on a None gradient
-            # partition); say what happened instead, before any collective.
-            boundary = engine.is_gradient_accumulation_boundary()
-            if boundary and not self.received_gradient:
-                raise NoGradientError(
-                    f"engine {self.name!r}: step() at a gradient-accumulation boundary, but no backward since "
-                    "its last optimizer step reached its parameters; skip this engine's step() when the "
-                    "loss does not use it")
-            if boundary:
-                self._flush_local()
+            boundary = self.state.before_step()   # NoGradientError, partial sums reduced
             out = engine_step(*args, **kwargs)
-            if boundary:
-                self.received_gradient = False
+            self.state.after_step(boundary)
             return out
 
         ledger.set_attr(engine, "zero_grad", zero_engine)
@@ -285,60 +262,23 @@ class DeepSpeedBinding:
         try:
             self.ledger.undo()
         finally:
-            self._forget_gradients()
+            self.state.zero_grad()
             # Graphs compiled while attached still own these parameters: they refuse to run
-            # (ParamSet.detached), and Dynamo compiles the step again on its next call.
-            self.param_set.detached = True
+            # (EngineState.detached), and Dynamo compiles the step again on its next call.
+            self.state.detached = True
             torch._dynamo.reset_code_caches()
 
     def _fold_norm(self) -> None:
         """Graphs compiled from now on fold the squared gradient norm into the backward
-        (norm_fold.py); the subclass makes its optimizer step read it."""
+        (runtime/norm.py); the subclass makes its optimizer step read it."""
         ps = self.param_set
-        ps.norm = FoldedNorm(len(ps.groups), ps.process_group, self.engine.is_gradient_accumulation_boundary)
+        self.state.norm = runtime.FoldedNorm(len(ps.groups), ps.process_group, self.at_boundary)
 
     def _unfold_norm(self) -> None:
         """The optimizer step computes the norm itself again; a norm in flight is finished."""
-        if self.param_set.norm is not None:
-            self.param_set.norm.forget()
-            self.param_set.norm = None
-
-    def _forget_gradients(self) -> None:
-        """``zero_grad``: drop the accumulated shards and the window's local sums, as DeepSpeed
-        eager drops ``.grad``."""
-        self.drop_sinks()
-        if self.param_set.norm is not None:
-            self.param_set.norm.forget()
-        if self.param_set.local is not None:
-            self.param_set.local.clear()
-        if self.param_set.held is not None:
-            self.param_set.held.clear()
-        self.received_gradient = False
-
-    @torch.no_grad()
-    def _flush_local(self) -> None:
-        """At the end of a backward at the boundary, and in the boundary ``step()``: reduce the local
-        sums that no compiled backward reduced (parameters the boundary micro-step did not reach,
-        eager-safety-net gradients, a graph that kept its gradients for one that never ran) before
-        the optimizer reads its shards. Usually nothing is left."""
-        ps, local = self.param_set, self.param_set.local
-        if local is None or not local.pending:
-            return
-        pending = sorted(local.pending)
-        what = f"engine {self.name!r}: local gradient sums left at the end of a backward or window"
-        rank_agreement.agree(rank_agreement.fingerprint(("local-flush", self.name, pending)), ps.process_group, what)
-        bufs, sinks = local.buffers(ps.device), self._backward_sinks()
-        for g in sorted({g for g, _ in pending}):
-            group = ps.groups[g]
-            # Ranges reduced earlier in the window were zeroed then, so the whole buffer can go.
-            flat = bufs[g].to(ps.comm_dtype)
-            with rank_agreement.collective_failures(what):
-                dist.all_reduce(flat, group=ps.process_group)
-            shard = group.shard_numel(ps.world_size)
-            lo = ps.rank * shard if group.sharded else 0
-            sinks[g].add_(flat[lo:lo + shard].to(sinks[g].dtype))
-        self.mark_present([ps.groups[g].params[k] for g, k in pending])
-        local.reduced(pending)
+        if self.state.norm is not None:
+            self.state.norm.forget()
+            self.state.norm = None
 
     # -- safety net for gradients computed outside graphzero's graphs ---------------------------
     @torch.no_grad()
@@ -367,35 +307,36 @@ class DeepSpeedBinding:
             self._warned_eager = True
         what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
         scale = self.runtime_scale()
-        if ps.local is not None and ps.defers_reduction():
+        state = self.state
+        if state.defers_reduction():
             # ZeRO-1 with gas > 1: as in the compiled graphs, keep non-boundary micro-steps local
             # and reduce the window's sum at the boundary (the exchange below still catches ranks
             # that disagree on the boundary).
             start = group.offsets[k]
-            mine = ps.local.buffers(ps.device)[g][start:start + param.numel()]
+            mine = state.partial.buffer(g)[start:start + param.numel()]
             mine.add_(param.grad.detach().reshape(-1).to(mine.dtype), alpha=scale)
-            if not ps.at_boundary():
+            runtime.scope.current().reach(state)   # the backward's end reduces other pending sums
+            if not self.at_boundary():
                 rank_agreement.agree(rank_agreement.fingerprint(("eager-local", self.name, g, k)),
                                      ps.process_group, what)
-                ps.local.accumulated([(g, k)])
+                state.partial.keeping([(g, k)])
+                state.received_gradient = True
                 param.grad = None
                 return
-            local_accumulation.flush_after_this_backward()
             grad, scale = mine.to(ps.comm_dtype, copy=True), 1.0
-            ps.local.reduced([(g, k)])
+            state.partial.reduced([(g, k)])
         else:
             grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
         rank_agreement.agree(rank_agreement.fingerprint(("eager", self.name, g, k)), ps.process_group, what)
         with rank_agreement.collective_failures(what):
             dist.all_reduce(grad, group=ps.process_group)
-        sink = self._backward_sinks()[g]
+        sink = self.state.write_sinks([param])[g]
         start, n = group.offsets[k], param.numel()
         lo = ps.rank * group.shard_numel(ps.world_size) if group.sharded else 0
         hi = lo + group.shard_numel(ps.world_size)
         a, b = max(start, lo), min(start + n, hi)
         if a < b:
             sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=scale)
-        self.mark_present([param])
         param.grad = None
 
 

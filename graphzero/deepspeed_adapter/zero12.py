@@ -83,7 +83,7 @@ class ZeroBinding(DeepSpeedBinding):
                      self.name, reason)
             return
         self._fold_norm()
-        step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None, self.param_set.norm)
+        step = lean_step.LeanStep(opt, self.name, self.param_sync if self.want_defer else None, self.state.norm)
         self._step_ledger.set_attr(opt, "step", step)
         master_alias.alias_masters(opt, step.rank, self._step_ledger)
 

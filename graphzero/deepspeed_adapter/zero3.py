@@ -16,7 +16,7 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
   of it (``__param_id_to_grad_partition``), which ``step()``, ``safe_get_full_grad`` and the
   checkpoint code read.
 
-The squared gradient norm is folded into the compiled backward (norm_fold.py): ``step()``'s
+The squared gradient norm is folded into the compiled backward (runtime/norm.py): ``step()``'s
 ``_get_norm_groups`` reads it instead of one blocking all-reduce per param group, unless a write
 since (the eager safety net, another graph) made it stale.
 
@@ -34,9 +34,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .. import rank_agreement
 from ..errors import UnsupportedConfigError
-from ..held_gradients import HeldGradients
 from ..ownership import FlatGroup
 from . import fused_adam, lean_step, zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
@@ -198,18 +196,18 @@ class Zero3Binding(DeepSpeedBinding):
                 persistent=tuple(bool(ds_attr(p, "ds_persist")) for p in params)))
         return groups, opt.gradient_accumulation_dtype
 
-    def _build_param_set(self):
-        ps = super()._build_param_set()
-        ps.shard_inputs = self._trainable_shard_inputs
-        ps.frozen_shards = self.frozen_shards
-        ps.gather_bucket_numel, ps.gather_ahead = self._gather_plan()
-        # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
-        ps.reuse_distance = max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
-                                int(self.engine.zero_prefetch_bucket_size()))
-        # the padded full gradients the gathers' backward produces are in the parameters' dtype
-        dtype = ps.groups[0].params[0].dtype if ps.groups and ps.groups[0].params else ps.comm_dtype
-        ps.held = HeldGradients(ps.groups, ps.world_size, dtype, flush=self._flush_held)
-        return ps
+    def _layout_extras(self) -> dict:
+        opt = self.engine.optimizer
+        gather_bucket_numel, gather_ahead = self._gather_plan()
+        params = [p for group in opt.fp16_groups for p in group]
+        return {
+            "shard_inputs": self._trainable_shard_inputs, "frozen_shards": self.frozen_shards,
+            "gather_bucket_numel": gather_bucket_numel, "gather_ahead": gather_ahead,
+            # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
+            "reuse_distance": max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
+                                  int(self.engine.zero_prefetch_bucket_size())),
+            # the padded full gradients the gathers' backward produces are in the parameters' dtype
+            "partial_dtype": params[0].dtype if params else self.engine.communication_data_type}
 
     def frozen_shards(self) -> dict[int, tuple[str, bool]]:
         """The module's ZeRO-3 parameters that get no engine gradient in a graph compiled now, by
@@ -338,16 +336,16 @@ class Zero3Binding(DeepSpeedBinding):
 
     def _install_folded_norm(self, ledger: PatchLedger) -> None:
         """Graphs compiled from now on fold the squared gradient norm into the backward
-        (norm_fold.py); DeepSpeed's step() reads it through ``_get_norm_groups`` instead of one
+        (runtime/norm.py); DeepSpeed's step() reads it through ``_get_norm_groups`` instead of one
         blocking all-reduce per param group, and computes it itself whenever it is stale."""
-        opt, ps = self.engine.optimizer, self.param_set
+        opt = self.engine.optimizer
         if ds_attr(opt, "use_muon"):   # the Muon update is normed, not the gradient
             return
         self._fold_norm()
         own = opt._get_norm_groups
 
         def norm_groups() -> list[torch.Tensor]:
-            squares = ps.norm.take() if ps.norm is not None else None
+            squares = self.state.norm.take() if self.state.norm is not None else None
             if squares is None or self._frozen_listed:
                 # DeepSpeed norms the listed zeros of a frozen parameter, not its shard
                 return own()
@@ -366,28 +364,6 @@ class Zero3Binding(DeepSpeedBinding):
                 raise UnsupportedConfigError(f"engine {self.name!r}: parameter {n!r} is partitioned over other "
                                              "ranks than the optimizer's data-parallel group")
 
-    @torch.no_grad()
-    def _flush_held(self) -> None:
-        """When a backward ends: reduce the full gradients still held (held_gradients.py) into the
-        shards, one reduce-scatter per parameter. Only when a graph held for another that never came
-        (a forward whose backward did not run)."""
-        ps, held = self.param_set, self.param_set.held
-        pending = sorted(held.pending)
-        log.info("engine %r: %d parameter gradient(s) held for a later graph of this backward were reduced when "
-                 "it ended (a forward reaching the engine whose backward did not run?)", self.name, len(pending))
-        what = f"engine {self.name!r}: gradients held past the end of a backward"
-        rank_agreement.agree(rank_agreement.fingerprint(("held-flush", self.name, pending)), ps.process_group, what)
-        sinks = self._backward_sinks()
-        for g, k in pending:
-            group = ps.groups[g]
-            shard = torch.empty(group.shard_numel_of(k), dtype=held.dtype, device=ps.device)
-            with rank_agreement.collective_failures(what):
-                dist.reduce_scatter_tensor(shard, held.buffer(g, k, ps.device), group=ps.process_group)
-            start = group.offsets[k]
-            sinks[g][start:start + shard.numel()].add_(shard.to(sinks[g].dtype), alpha=held.scale)
-        self.mark_present([ps.groups[g].params[k] for g, k in pending])
-        held.released(pending)
-
     # -- safety net -----------------------------------------------------------------------------
     @torch.no_grad()
     def _accumulate_eager_shard(self, shard: torch.Tensor) -> None:
@@ -398,7 +374,7 @@ class Zero3Binding(DeepSpeedBinding):
         self.eager_gradients += 1
         g, k = self.shard_inputs()[id(shard)]
         group = self.param_set.groups[g]
-        sink = self._backward_sinks()[g]
+        sink = self.state.write_sinks()[g]
         sink[group.offsets[k]:group.offsets[k] + group.shard_numel_of(k)].add_(
             shard.grad.to(sink.dtype), alpha=self.runtime_scale())
         shard.grad = None

@@ -14,7 +14,7 @@ own.
 The norm must be the norm of the *final* gradient at the optimizer boundary. The squares read the
 whole shard after this backward's write, so they include every earlier contribution (earlier
 micro-steps, other graphs, the eager safety net). They are stale as soon as anything writes the
-shard again. So every writer bumps ``writes`` (the adapter's ``_backward_sinks``: compiled
+shard again. So every writer bumps ``writes`` (`EngineState.write_sinks`: compiled
 backwards, the eager safety net, ZeRO-1's boundary flush), a folded norm records the count it was
 computed at, and the lean step uses it only if nothing wrote since; otherwise (a safety-net
 gradient after the last compiled backward, a graph that does not reach every param group, a
