@@ -1,4 +1,4 @@
-"""The gradient norm folded into the compiled backward (norm_fold.py, passes/fold_norm.py).
+"""The gradient norm folded into the compiled backward (graphzero/runtime/norm.py, passes/fold_norm.py).
 
 One engine, three copies with the same seed and data: DeepSpeed eager (``engine.backward``),
 graphzero with its lean step (ZeRO-1/2) or DeepSpeed's own step (ZeRO-3) (the norm's squares

@@ -2,7 +2,7 @@
 engine, exactly once (a double reduction would double the gradients; a missed one would leave
 them out), including an engine whose parameters are split across two graphs; and an engine that
 two graphs of one backward reach reduces each parameter's sum once, as DeepSpeed eager does (the
-graph whose backward runs first keeps its gradients local: pending_backwards.py).
+graph whose backward runs first keeps its gradients local: graphzero/runtime/scope.py).
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def lean_vs_deepspeed_scenario(kind: str, stage: int, gas: int, dtype: str, fuse
             for (pname, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
                 torch.testing.assert_close(pa, pb, **ulp, msg=lambda m, what=what, pname=pname: f"{what} {pname}: {m}")
         lrs.append(lean[next(iter(lean))].get_lr()[0])
-    # the norm came from the compiled backward (norm_fold.py), never from a blocking all-reduce
+    # the norm came from the compiled backward (runtime/norm.py), never from a blocking all-reduce
     from graphzero.deepspeed_adapter import binding_of
     for name, eng in lean.items():
         fold = binding_of(eng).state.norm

@@ -52,7 +52,7 @@ class Collectives:
     """Gradient collectives (all-reduce / reduce-scatter / all-to-all, graphzero's reduce-scatter on
     gloo) that ran inside the block, counted from the profiler's gloo events: what the compiled graphs (or DeepSpeed) really launched, whatever
     op called them. The one-int64 plan exchange of rank_agreement is an all-gather, not counted;
-    the folded norm's all-reduce after a boundary backward (norm_fold.py: one fp32 per param group,
+    the folded norm's all-reduce after a boundary backward (runtime/norm.py: one fp32 per param group,
     a few elements) is counted apart, in ``norms``."""
 
     def __enter__(self) -> Self:

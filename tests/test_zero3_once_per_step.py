@@ -4,7 +4,7 @@ and parameters are gathered again in backward only where DeepSpeed would gather 
 The GAN's discriminator (ZeRO-3) is called twice in the loss, so each of its parameters is gathered
 twice and its gradient arrives from two gathers' backwards. graphzero sums the two full gradients
 and reduce-scatters once (sum_shard_grads); with a graph break between the two calls, the first
-graph's backward holds them for the last one (hold_shard_grads, held_gradients.py). Counted from the traced graph (the dump summary's
+graph's backward holds them for the last one (hold_shard_grads; graphzero/runtime/partial.py). Counted from the traced graph (the dump summary's
 ``comm_bytes_per_step``, the input bytes of the graph's reduce-scatters), the bytes per step equal
 what DeepSpeed eager ZeRO-3 reduces for the same engines in one step (its collectives counted with
 torch.profiler, as graphzero-compare counts them): each parameter's gradient once, padded to a
