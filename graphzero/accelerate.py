@@ -9,63 +9,35 @@
             accelerator.backward(step(z, real))
             opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()
 
-What Accelerate does without it (accelerate 1.16, read in ``Accelerator._prepare_deepspeed`` and
-``utils/deepspeed.py``): only the first prepared engine is wrapped, ``accelerator.backward(loss)``
-runs that engine's ``engine.backward(loss)`` and ``engine.step()``, and every prepared optimizer's
-``step()`` / ``zero_grad()`` is a no-op. Every other model is silently never stepped.
+Without it (accelerate 1.16, ``Accelerator._prepare_deepspeed``): only the first prepared engine
+is wrapped, ``accelerator.backward(loss)`` runs its ``engine.backward`` and ``engine.step()``, and
+every prepared optimizer's ``step()`` / ``zero_grad()`` is a no-op: other models are never stepped.
 
-What ``enable`` changes (design choice: **the optimizer steps its engine**):
+``enable`` makes **the optimizer step its engine**:
 
-- every DeepSpeed engine the accelerator prepared with an optimizer is attached to graphzero
-  (``graphzero.attach``): its gradients are reduced in the compiled backward graph, scaled by
-  1/(world x its own gas);
-- ``accelerator.backward(loss)`` is one plain ``loss.backward()``: no ``engine.backward``, no
-  ``engine.step()`` (Accelerate's ``DeepSpeedEngineWrapper`` is replaced);
-- each prepared optimizer's ``step()`` is its engine's ``engine.step()``, called every micro-batch
-  as DeepSpeed's managed gradient accumulation expects, with the engine's accumulation boundary set
-  to Accelerate's ``sync_gradients``: the engine updates exactly once per Accelerate
-  accumulation window, when the user's loop says so; ``zero_grad()`` is the engine's (drops the
-  accumulated shards) on a sync step and does nothing inside an accumulation window, like
-  Accelerate's own ``AcceleratedOptimizer``.
-
-Stepping in ``accelerator.backward`` (Accelerate's DeepSpeed behaviour) was rejected: with several
-models it would step every model reached by a loss, so a two-phase GAN (D-step, then a G-step
-whose loss also reaches D) would step D twice, on the generator's loss. Driving the engines from
-their optimizers gives each model exactly the step the loop asks for, as in plain PyTorch.
-
-- ``accelerator.clip_grad_norm_(parameters, max_norm)`` returns the gradient norm of the *current*
-  step (Accelerate's DeepSpeed path returns the engine's cached norm, which under graphzero, whose
-  backward does not step, would be the previous step's): at a sync step, the pre-clip global norm of
-  the reduced gradients of every attached engine that owns one of ``parameters``, combined as one
-  vector's norm ``sqrt(sum of each engine's norm squared)`` (Accelerate defines it as "the total norm
-  of the parameter gradients, viewed as a single vector"; with one engine it is that engine's
-  ``get_global_grad_norm()`` after the step). It is a collective (call it on every rank, as
-  Accelerate's loops do). Inside an accumulation window (no sync) it returns the engines' last
-  norms without communicating, as Accelerate does. Clipping itself stays DeepSpeed's (each engine by
-  its own ``gradient_clipping``; ``max_norm`` is ignored, as under Accelerate's DeepSpeed path).
-  An engine's norm is an engine-wide quantity: passing only some of an engine's parameters gives
-  the whole engine's norm.
+- every DeepSpeed engine prepared with an optimizer is attached (``graphzero.attach``);
+- ``accelerator.backward(loss)`` is one plain ``loss.backward()`` (``DeepSpeedEngineWrapper`` replaced);
+- each optimizer's ``step()`` is ``engine.step()`` every micro-batch, with the accumulation boundary
+  set to Accelerate's ``sync_gradients``; ``zero_grad()`` is the engine's on a sync step, else a
+  no-op, like ``AcceleratedOptimizer``.
+  Stepping in ``accelerator.backward`` was rejected: a two-phase GAN whose G-loss also reaches D
+  would step D twice.
+- ``accelerator.clip_grad_norm_`` returns the *current* step's pre-clip norm (Accelerate's DeepSpeed
+  path returns the engine's cached one, the previous step's under graphzero): at a sync step
+  ``sqrt(sum of norm^2)`` over the attached engines owning any of ``parameters`` (engine-wide, a
+  collective: call it on every rank); inside a window, the last norms without communicating.
+  ``max_norm`` is ignored: each engine clips by its own ``gradient_clipping``.
 - ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine (graphzero reduces
-  in-graph: ZeRO-2 every micro-batch, ZeRO-1 at the boundary, which ``accelerator.backward`` sets
-  from ``sync_gradients`` before the backward; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks
-  ``no_sync`` from whichever plugin was selected last).
+  in-graph; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks it from the last selected
+  plugin).
 
-Where the loop cannot be made right, a :class:`graphzero.AccelerateError` names the model: an
-Accelerate version or object layout this module does not know, a model or optimizer prepared
-without DeepSpeed next to DeepSpeed engines, a model prepared after ``enable``, Accelerate's
-``gradient_accumulation_steps`` differing from an engine's, a second ``accelerator.backward`` of a
-loss already reduced, an engine ``step()``-ed at a boundary with no gradient (a double step), and
-gradients from an accumulation boundary that neither ``step()`` nor ``zero_grad()`` consumed
-before the next backward (a loop that relies on Accelerate stepping engines in ``backward``).
+A :class:`graphzero.AccelerateError` names the model where the loop cannot be made right (unknown
+Accelerate version or layout, a non-DeepSpeed model beside engines, a model prepared after
+``enable``, a gas mismatch, a second backward of a reduced loss, a double step, boundary gradients
+left unconsumed before the next backward).
 
-Both forms work: one ``Accelerator(deepspeed_plugins={name: plugin, ...})`` with
-``select_deepspeed_plugin(name)`` before each ``prepare``, and one ``Accelerator`` per model (in
-Accelerate's design the first one holds every plugin and later ones are created without one);
-call ``enable(acc_a, acc_b)`` (or ``enable`` on each). Models are named after their plugin.
-
-This module is the entry point and the runtime wrappers ``enable`` installs (optimizer ``step`` /
-``zero_grad``, the plain backward, ``no_sync``); the checks made before anything changes, and
-finding the DeepSpeed models an Accelerator prepared, are in accelerate_checks.py.
+Works with one ``Accelerator(deepspeed_plugins={...})`` or one ``Accelerator`` per model; models are
+named after their plugin. The pre-change checks and model discovery are in accelerate_checks.py.
 """
 
 from __future__ import annotations
@@ -109,12 +81,8 @@ class _Model:
 
 
 def _registry(accelerator: Any) -> dict:
-    """``{engine: _Model}`` of the engines enabled in this Accelerate session.
-
-    Kept in Accelerate's GradientState, the process singleton every Accelerator of a session shares
-    (it holds ``sync_gradients``): one registry serves the one-Accelerator-per-model form, and
-    resetting Accelerate's state (``GradientState._reset_state()``) forgets it.
-    """
+    """``{engine: _Model}`` of this Accelerate session, kept in the shared GradientState singleton
+    (so one-Accelerator-per-model works, and ``GradientState._reset_state()`` forgets it)."""
     gradient_state = accelerator.gradient_state
     registry = gradient_state.__dict__.get("_graphzero_models")
     if registry is None:
@@ -182,9 +150,6 @@ def disable(*accelerators: Any) -> None:
         delattr(accelerator, _ATTR)
 
 
-# -- the Accelerate-specific part that reads DeepSpeed optimizer state ----------------------------
-
-
 def _has_gradients(engine: Any) -> bool:
     """Whether the engine holds reduced gradients its next boundary step() would consume."""
     binding = deepspeed_adapter.binding_of(engine)
@@ -196,9 +161,6 @@ def _has_gradients(engine: Any) -> bool:
     if binding.kind == "bf16":
         return any(any(flags) for flags in opt.fp32_groups_has_gradients)
     return any(opt.averaged_gradients.get(i) is not None for i in range(len(binding.param_set.groups)))
-
-
-# -- patches --------------------------------------------------------------------------------------
 
 
 def _patch_optimizer(opt: Any, record: _Model) -> None:
@@ -229,8 +191,7 @@ def _patch_optimizer(opt: Any, record: _Model) -> None:
 
 
 class _PlainBackward:
-    """Stands in for Accelerate's ``DeepSpeedEngineWrapper``: ``accelerator.backward(loss)`` becomes
-    one plain ``loss.backward()``; stepping is left to the prepared optimizers."""
+    """Replaces ``DeepSpeedEngineWrapper``: one plain ``loss.backward()``, no stepping."""
 
     def __init__(self, accelerator: Any, wrapped: Any) -> None:
         self._accelerator = accelerator
@@ -262,8 +223,6 @@ class _PlainBackward:
             )
         for record in records:
             check_gas(accelerator, record.name, record.engine)
-        # Gradients a boundary backward left are consumed by a step() or dropped by zero_grad()
-        # (the optimizer's or the engine's own) before the next backward, or nobody steps them.
         stale = [r.name for r in records if r.awaiting_step and _has_gradients(r.engine)]
         if stale:
             raise AccelerateError(
@@ -294,8 +253,7 @@ def _patch_accelerator(accelerator: Any) -> None:
 
     @contextlib.contextmanager
     def no_sync(model: Any):
-        # graphzero reduces in-graph (ZeRO-1: at the boundary); DeepSpeed's no_sync would refuse ZeRO-2
-        # (Accelerate chooses by the last selected plugin, not by this model's stage).
+        # DeepSpeed's no_sync refuses ZeRO-2 (Accelerate picks it by the last selected plugin).
         if deepspeed_adapter.binding_of(model) is not None:
             yield
         else:
