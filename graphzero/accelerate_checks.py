@@ -1,13 +1,6 @@
-"""What ``graphzero.accelerate`` checks before it changes anything, and how it finds the models.
-
-- the Accelerate version and the object layout its wrappers replace (``check_version``,
-  ``check_accelerator``);
-- the DeepSpeed models an Accelerator prepared, named after their DeepSpeed plugin, refusing a
-  trainable model or an optimizer prepared without DeepSpeed next to them (``deepspeed_models``);
-- Accelerate's ``gradient_accumulation_steps`` against each engine's (``check_gas``).
-
-Every refusal is a :class:`graphzero.AccelerateError` naming the model. The runtime wrappers that
-``enable`` installs are in accelerate.py.
+"""What ``graphzero.accelerate`` checks before it changes anything (version, Accelerator layout,
+gradient_accumulation_steps), and how it finds the DeepSpeed models an Accelerator prepared.
+Every refusal is a :class:`graphzero.AccelerateError` naming the model.
 """
 
 from __future__ import annotations
@@ -24,8 +17,6 @@ log = logging.getLogger("graphzero")
 # where multi-plugin DeepSpeed and this object layout were checked; 2.x is unknown.
 MIN_VERSION = "1.16"
 MAX_VERSION_EXCLUSIVE = "2"
-
-
 
 
 def check_version() -> None:
@@ -121,8 +112,7 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
             name = next(f"{name}{k}" for k in range(1, len(taken) + 2) if f"{name}{k}" not in taken)
         taken[name] = engine
         if engine.optimizer is None:
-            # Inference only (a teacher): nothing to reduce or step. Its parameters get plain
-            # autograd .grad if a loss reaches them with grad enabled.
+            # Inference only (a teacher): nothing to reduce or step.
             log.info(
                 "graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name
             )
