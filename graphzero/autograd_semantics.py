@@ -1,12 +1,10 @@
 """What autograd was asked to accumulate, as seen from inside a compiled backward.
 
-A graphzero backward writes reduced shards directly into each engine's optimizer buffers, where
-eager autograd would have accumulated into ``param.grad``. Autograd does that only for the leaves
-it accumulates in this backward: all of them for ``loss.backward()``, those listed in
-``backward(inputs=...)``, none for ``torch.autograd.grad(...)``. This module asks the autograd
-engine (``torch._C._will_engine_execute_node`` on each parameter's AccumulateGrad node) which case
-this is, per engine, so that the runtime writes a shard exactly when eager autograd would have
-written ``.grad``. Collectives run either way, so every rank keeps issuing the same ones.
+A graphzero backward writes reduced shards into optimizer buffers where eager autograd would
+accumulate ``param.grad``, which it does only for the leaves of this backward (all for
+``loss.backward()``, those in ``inputs=``, none for ``torch.autograd.grad``). Asking autograd
+(``_will_engine_execute_node``) per engine, the runtime writes a shard exactly when eager would
+write ``.grad``. Collectives run either way, so every rank issues the same ones.
 """
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ class AccumulationProbe:
     """Per engine of one compiled backward: does this backward accumulate into its parameters?"""
 
     def __init__(self, present: dict[ParamSet, Sequence[tuple[torch.Tensor, str]]]) -> None:
-        """``present``: per engine, each graph input that receives a gradient here (the leaf
-        autograd would accumulate into: a parameter, or its ZeRO-3 shard) and its name."""
+        """``present``: per engine, each ``(leaf, name)`` receiving a gradient here (a parameter,
+        or its ZeRO-3 shard)."""
         self.present = present
         # AccumulateGrad nodes, kept alive so that the engine sees the same node objects.
         self._nodes: dict[ParamSet, list] = {}
@@ -56,7 +54,6 @@ class AccumulationProbe:
                     raise InternalsError(
                         f"engine {ps.name!r}: torch._C._will_engine_execute_node failed in a graphzero backward "
                         f"(torch {torch.__version__}): {exc}") from exc
-                # Raised for a leaf during torch.autograd.grad(): no .grad is written in that call.
                 will = [False] * len(params)
             if all(will):
                 out[ps] = True
@@ -71,11 +68,8 @@ class AccumulationProbe:
 
 
 def _create_graph() -> bool:
-    """Whether this backward runs with ``create_graph=True``.
-
-    AOT autograd runs such a backward inside its ``_double_backward`` autograd.Function, under
-    no_grad, and autograd exposes no create_graph flag: look for that frame on the stack.
-    """
+    """Whether this backward runs with ``create_graph=True``: autograd exposes no flag, but AOT
+    autograd runs such a backward inside its ``_double_backward``, so look for that frame."""
     frame = sys._getframe(1)
     for _ in range(16):
         if frame is None:
