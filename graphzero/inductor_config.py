@@ -37,12 +37,9 @@ def inductor_patch(*, backward: bool, overlap: bool, gathers: bool) -> dict[str,
     """The ``torch._inductor.config.patch`` for one graph (``gathers``: it holds ZeRO-3 gathers)."""
     patch = pinned()
     if (gathers or backward) and has_option(PEAK_MEMORY):
-        # bucket_gathers issues each gather bucket before the previous one's wait, within what
-        # DeepSpeed's stage3 knobs allow to be live; inductor's peak-memory reordering undid it (it
-        # moved the next engine's gather after the first engine's wait, and that wait to right after
-        # its gather: the ZeRO-3 mlp forward took 22 ms instead of 18, nothing overlapped). In a
-        # backward it moved the in-place matmuls of write_into_bucket, which it sees as writes into
-        # a buffer that is live anyway, after every other kernel, and the collectives with them.
+        # It moved each gather next to its wait (ZeRO-3 mlp forward: 22 ms instead of 18, nothing
+        # overlapped; bucket_gathers already bounds what is live), and in a backward moved
+        # write_into_bucket's in-place matmuls, and their collectives, after every other kernel.
         patch[PEAK_MEMORY] = False
     if backward and overlap and not gathers:
         # Without it inductor fuses the accumulation into unrelated earlier kernels and waits on each
@@ -68,12 +65,9 @@ def register_lowerings() -> None:
 
 #: option -> the value graphzero compiles with, where this torch has the option.
 PINNED: dict[str, Any] = {
-    # torch 2.13-2.15: with the pass list inductor's config recommends, a ZeRO-3 backward's
-    # reduce-scatters were reissued in another order, every gather hoisted to the top and every
-    # wait sunk to the end (all full-size gathered parameters and gradients alive at once), by
-    # estimated runtimes that can differ between ranks unless inductor aligns them with a
-    # collective of its own (runtime_estimations_align_across_all_distributed_ranks). graphzero's
-    # passes already order and place its collectives.
+    # torch 2.13-2.15, with inductor's recommended passes: a ZeRO-3 backward's reduce-scatters were
+    # reordered, every gather hoisted and every wait sunk (everything full-size alive at once), by
+    # runtime estimates that can differ between ranks.
     REORDER: False,
     REORDER_PASSES: [],
     # torch 2.14-2.15 (on by default; pytorch #184235/#184240): on 2.15.0 rank 0 and rank 1 got
