@@ -22,19 +22,12 @@ every prepared optimizer's ``step()`` / ``zero_grad()`` is a no-op: other models
   no-op, like ``AcceleratedOptimizer``.
   Stepping in ``accelerator.backward`` was rejected: a two-phase GAN whose G-loss also reaches D
   would step D twice.
-- ``accelerator.clip_grad_norm_`` returns the *current* step's pre-clip norm (Accelerate's DeepSpeed
-  path returns the engine's cached one, the previous step's under graphzero): at a sync step
-  ``sqrt(sum of norm^2)`` over the attached engines owning any of ``parameters`` (engine-wide, a
-  collective: call it on every rank); inside a window, the last norms without communicating.
+- ``accelerator.clip_grad_norm_`` returns the *current* step's pre-clip norm (Accelerate's cached
+  one would be the previous step's): a collective at a sync step, the last norms inside a window.
   ``max_norm`` is ignored: each engine clips by its own ``gradient_clipping``.
-- ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine (graphzero reduces
-  in-graph; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks it from the last selected
-  plugin).
+- ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine.
 
-A :class:`graphzero.AccelerateError` names the model where the loop cannot be made right (unknown
-Accelerate version or layout, a non-DeepSpeed model beside engines, a model prepared after
-``enable``, a gas mismatch, a second backward of a reduced loss, a double step, boundary gradients
-left unconsumed before the next backward).
+Where the loop cannot be made right, a :class:`graphzero.AccelerateError` names the model.
 
 Works with one ``Accelerator(deepspeed_plugins={...})`` or one ``Accelerator`` per model; models are
 named after their plugin. The pre-change checks and model discovery are in accelerate_checks.py.
@@ -91,11 +84,8 @@ def _registry(accelerator: Any) -> dict:
 
 
 def enable(*accelerators: Any) -> dict[str, Any]:
-    """Attach every DeepSpeed engine these accelerators prepared and make their loop right.
-
-    Call after the last ``accelerator.prepare(...)``; returns ``{name: engine}`` of the attached
-    engines (named after their DeepSpeed plugin). Idempotent.
-    """
+    """Attach every DeepSpeed engine these accelerators prepared (call after the last ``prepare``);
+    returns ``{name: engine}``. Idempotent."""
     if not accelerators:
         raise AccelerateError(
             "graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train"
