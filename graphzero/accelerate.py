@@ -76,20 +76,14 @@ class _Model:
 def _registry(accelerator: Any) -> dict:
     """``{engine: _Model}`` of this Accelerate session, kept in the shared GradientState singleton
     (so one-Accelerator-per-model works, and ``GradientState._reset_state()`` forgets it)."""
-    gradient_state = accelerator.gradient_state
-    registry = gradient_state.__dict__.get("_graphzero_models")
-    if registry is None:
-        registry = gradient_state.__dict__["_graphzero_models"] = {}
-    return registry
+    return accelerator.gradient_state.__dict__.setdefault("_graphzero_models", {})
 
 
 def enable(*accelerators: Any) -> dict[str, Any]:
     """Attach every DeepSpeed engine these accelerators prepared (call after the last ``prepare``);
     returns ``{name: engine}``. Idempotent."""
     if not accelerators:
-        raise AccelerateError(
-            "graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train"
-        )
+        raise AccelerateError("graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train")
     check_version()
     found: list[tuple[str, Any, list]] = []
     for accelerator in accelerators:
@@ -113,9 +107,8 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         _patch_accelerator(accelerator)
     for name, engine, optimizers in found:
         if not optimizers:
-            log.warning(
-                "graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name
-            )
+            log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself",
+                        name)
     log.info("graphzero.accelerate: attached %s", [name for name, _, _ in found])
     return {name: engine for name, engine, _ in found}
 
@@ -158,9 +151,7 @@ def _patch_optimizer(opt: Any, record: _Model) -> None:
 
     def step(closure: Any = None) -> None:
         if closure is not None:
-            raise AccelerateError(
-                f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines"
-            )
+            raise AccelerateError(f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines")
         sync = opt.gradient_state.sync_gradients
         if sync and not _has_gradients(engine):
             raise AccelerateError(
