@@ -25,9 +25,7 @@ def check_version() -> None:
         from accelerate import Accelerator
         from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper  # noqa: F401
     except ImportError as exc:
-        raise AccelerateError(
-            f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}"
-        )
+        raise AccelerateError(f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}")
     from packaging.version import Version
 
     version = Version(accelerate.__version__)
@@ -37,8 +35,7 @@ def check_version() -> None:
             f"(tested: >={MIN_VERSION},<{MAX_VERSION_EXCLUSIVE}); it replaces Accelerate's DeepSpeed backward and "
             "optimizer wrappers and cannot tell whether they still work the way it assumes"
         )
-    # The one code path replaced: Accelerator.backward must reach DeepSpeed through
-    # deepspeed_engine_wrapped.backward(loss, sync_gradients=...), or that replacement is bypassed.
+    # Accelerator.backward must reach DeepSpeed through deepspeed_engine_wrapped.backward, the one path replaced.
     try:
         source = inspect.getsource(Accelerator.backward)
     except (OSError, TypeError):
@@ -78,9 +75,8 @@ def describe(model: Any) -> str:
 
 
 def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str, Any, list]]:
-    """``(name, engine, [prepared optimizer wrappers])`` of each trainable DeepSpeed model; refuses
-    models and optimizers that Accelerate prepared without DeepSpeed. ``known`` maps engines already
-    enabled to their names, which they keep."""
+    """``(name, engine, [optimizer wrappers])`` of each trainable DeepSpeed model (``known``: engines
+    already enabled, which keep their names); refuses models and optimizers prepared without DeepSpeed."""
     from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
     raw = getattr(accelerator.state, "deepspeed_plugins", None)
@@ -113,9 +109,7 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
         taken[name] = engine
         if engine.optimizer is None:
             # Inference only (a teacher): nothing to reduce or step.
-            log.info(
-                "graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name
-            )
+            log.info("graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name)
             continue
         optimizers = [opt for opt in accelerator._optimizers if opt.optimizer is engine.optimizer]
         found.append((name, engine, optimizers))

@@ -26,8 +26,7 @@ ALLOW_ENV = "GRAPHZERO_ALLOW_UNTESTED_VERSIONS"
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version: '2.13.0+cpu' -> (2, 13, 0); pre-releases and dev builds of a
-    release count as that release (a 2.13 nightly is in the 2.13 line)."""
+    """'2.13.0+cpu' -> (2, 13, 0); pre-releases and dev builds count as their release."""
     try:
         from packaging.version import InvalidVersion, Version
     except ImportError:  # packaging comes with DeepSpeed; without it, read the leading numbers
