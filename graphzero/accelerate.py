@@ -9,8 +9,7 @@
             accelerator.backward(step(z, real))
             opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()
 
-Without it (accelerate 1.16, ``Accelerator._prepare_deepspeed``): only the first prepared engine
-is wrapped, ``accelerator.backward(loss)`` runs its ``engine.backward`` and ``engine.step()``, and
+Without it (accelerate 1.16) ``accelerator.backward`` steps only the first prepared engine, and
 every prepared optimizer's ``step()`` / ``zero_grad()`` is a no-op: other models are never stepped.
 
 ``enable`` makes **the optimizer step its engine**:
@@ -67,8 +66,7 @@ class _Model:
 
     name: str
     engine: Any
-    # Set by a sync (boundary) backward that left gradients in the engine: they must be consumed
-    # (step) or dropped (zero_grad) before the next backward.
+    # A boundary backward left gradients: step() or zero_grad() must consume them before the next.
     awaiting_step: bool = False
     optimizers: list = field(default_factory=list)
 
@@ -107,8 +105,7 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         _patch_accelerator(accelerator)
     for name, engine, optimizers in found:
         if not optimizers:
-            log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself",
-                        name)
+            log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name)
     log.info("graphzero.accelerate: attached %s", [name for name, _, _ in found])
     return {name: engine for name, engine, _ in found}
 

@@ -49,8 +49,7 @@ def collective_device(process_group: object | None, fallback_device: torch.devic
 
 
 def engine_device(engine_device_attr: torch.device | str | None, params) -> torch.device:
-    """An engine's device: DeepSpeed's ``engine.device``, or where its parameters live when
-    DeepSpeed left it unset (the CPU accelerator without a local rank)."""
+    """DeepSpeed's ``engine.device``, or where the parameters live when unset (CPU, no local rank)."""
     if engine_device_attr is not None:
         return torch.device(engine_device_attr)
     for p in params:

@@ -50,8 +50,7 @@ class PatchLedger:
 
     # -- attributes -----------------------------------------------------------------------------
     def set_attr(self, obj: object, name: str, value: Any) -> None:
-        """``setattr(obj, name, value)``, remembering what was there (a class data descriptor, e.g.
-        ``Tensor.requires_grad``, is read and written back through the descriptor)."""
+        """``setattr(obj, name, value)``, remembering what was there (through a class data descriptor)."""
         what = f"{type(obj).__name__}.{name}"
         if _class_data_descriptor(obj, name):
             old = getattr(obj, name)
@@ -103,8 +102,7 @@ class PatchLedger:
         return handle
 
     def post_accumulate_grad_hook(self, tensor, fn):
-        """``tensor.register_post_accumulate_grad_hook(fn)``; undo removes it and gives the tensor
-        back the hook dict it had (None when it had none)."""
+        """Register ``fn``; undo removes it and restores a hook dict that was None."""
         had = tensor._post_accumulate_grad_hooks
         handle = tensor.register_post_accumulate_grad_hook(fn)
 
@@ -128,8 +126,7 @@ class PatchLedger:
         self._undo.append((what or getattr(fn, "__qualname__", repr(fn)), fn))
 
     def undo(self) -> None:
-        """Revert every recorded change, newest first, and forget them. Every step runs even if one
-        fails; the first failure is raised afterwards (with the others noted)."""
+        """Revert every change, newest first; all steps run, then the first failure is raised."""
         errors: list[tuple[str, BaseException]] = []
         while self._undo:
             what, fn = self._undo.pop()
