@@ -154,8 +154,7 @@ def _patch_optimizer(opt: Any, record: _Model) -> None:
             raise AccelerateError(
                 f"model {record.name!r}: optimizer.step() at an accumulation boundary, but the model received no "
                 "gradient since its last step (a second step() without a backward in between, or a loss that does "
-                "not reach this model)"
-            )
+                "not reach this model)")
         # DeepSpeed's managed accumulation: engine.step() every micro-batch; Accelerate decides the boundary.
         engine.set_gradient_accumulation_boundary(sync)
         engine.step()
@@ -189,16 +188,12 @@ class _PlainBackward:
             raise AccelerateError(
                 f"accelerator.backward() of a loss whose graph was already reduced by graphzero (models "
                 f"{sorted(r.name for r in records)}): a second backward would add every engine's reduced "
-                "gradient again. Call accelerator.backward() once per loss (sum the losses first)"
-            )
-        unattached = [
-            m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry
-        ]
+                "gradient again. Call accelerator.backward() once per loss (sum the losses first)")
+        unattached = [m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry]
         if unattached:
             raise AccelerateError(
                 f"model ({describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "
-                "enable(accelerator) again after the last accelerator.prepare()"
-            )
+                "enable(accelerator) again after the last accelerator.prepare()")
         for record in records:
             check_gas(accelerator, record.name, record.engine)
         stale = [r.name for r in records if r.awaiting_step and _has_gradients(r.engine)]
@@ -206,8 +201,7 @@ class _PlainBackward:
             raise AccelerateError(
                 f"model(s) {stale} still hold gradients from the last accumulation boundary that neither "
                 "optimizer.step() nor optimizer.zero_grad() consumed; under graphzero.accelerate, "
-                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())"
-            )
+                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())")
         for record in records:
             record.awaiting_step = False
             # This backward's boundary is Accelerate's: a ZeRO-1 engine with gas > 1 reduces only
@@ -249,8 +243,7 @@ def _patch_accelerator(accelerator: Any) -> None:
         if norm_type != 2:
             raise AccelerateError(
                 f"accelerator.clip_grad_norm_(norm_type={norm_type}) on models {[r.name for r in records]}: "
-                "DeepSpeed engines compute the L2 norm only"
-            )
+                "DeepSpeed engines compute the L2 norm only")
         return _combined_norm(records, accelerator.sync_gradients)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_

@@ -33,8 +33,7 @@ def check_version() -> None:
         raise AccelerateError(
             f"accelerate {accelerate.__version__} is not a version graphzero.accelerate understands "
             f"(tested: >={MIN_VERSION},<{MAX_VERSION_EXCLUSIVE}); it replaces Accelerate's DeepSpeed backward and "
-            "optimizer wrappers and cannot tell whether they still work the way it assumes"
-        )
+            "optimizer wrappers and cannot tell whether they still work the way it assumes")
     # Accelerator.backward must reach DeepSpeed through deepspeed_engine_wrapped.backward, the one path replaced.
     try:
         source = inspect.getsource(Accelerator.backward)
@@ -43,8 +42,7 @@ def check_version() -> None:
     if source is not None and "deepspeed_engine_wrapped.backward" not in source:
         raise AccelerateError(
             f"accelerate {accelerate.__version__}: Accelerator.backward no longer calls "
-            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()"
-        )
+            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()")
 
 
 def check_accelerator(accelerator: Any) -> None:
@@ -54,13 +52,11 @@ def check_accelerator(accelerator: Any) -> None:
         if not hasattr(accelerator, attr):
             raise AccelerateError(
                 f"{type(accelerator).__name__} has no {attr!r}: not an Accelerator this version of "
-                "graphzero.accelerate understands"
-            )
+                "graphzero.accelerate understands")
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise AccelerateError(
             f"the Accelerator uses {accelerator.distributed_type}, not DeepSpeed: graphzero.accelerate trains "
-            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))"
-        )
+            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))")
 
 
 def is_engine(obj: Any) -> bool:
@@ -91,15 +87,13 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
             raise AccelerateError(
                 f"model {i} ({describe(model)}) was prepared without DeepSpeed next to DeepSpeed engines: its "
                 f"gradients (e.g. {trainable[0]!r}) would be neither averaged over ranks nor stepped by any engine. "
-                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it"
-            )
+                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it")
     for opt in accelerator._optimizers:
         if not isinstance(opt, DeepSpeedOptimizerWrapper):
             raise AccelerateError(
                 f"optimizer {type(getattr(opt, 'optimizer', opt)).__name__} was prepared without DeepSpeed next to "
                 "DeepSpeed engines: graphzero.accelerate cannot tell which model it trains. Prepare each model "
-                "together with its optimizer"
-            )
+                "together with its optimizer")
     taken = {name: engine for engine, name in known.items()}
     for engine in engines:
         name = plugin_name(engine, plugins, known) or "model"
@@ -133,5 +127,4 @@ def check_gas(accelerator: Any, name: str, engine: Any) -> None:
             f"model {name!r}: DeepSpeed gradient_accumulation_steps={gas} but the Accelerator accumulates "
             f"over {accelerator.gradient_accumulation_steps} micro-batches: the engine would scale gradients by "
             f"1/{gas} and step on Accelerate's boundary. Give every plugin the same gradient_accumulation_steps "
-            "(or 'auto') as the Accelerator"
-        )
+            "(or 'auto') as the Accelerator")
