@@ -27,8 +27,7 @@ from .errors import (
 )
 from .versions import check_versions
 
-# Before the modules that use torch and DeepSpeed internals: outside the tested versions, fail here
-# with a VersionError naming the package rather than deep inside a compile.
+# Before the modules using torch/DeepSpeed internals: fail here, not deep inside a compile.
 check_versions()
 
 from . import deepspeed_adapter, early_attach

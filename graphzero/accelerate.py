@@ -9,27 +9,16 @@
             accelerator.backward(step(z, real))
             opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()
 
-Without it (accelerate 1.16) ``accelerator.backward`` steps only the first prepared engine, and
-every prepared optimizer's ``step()`` / ``zero_grad()`` is a no-op: other models are never stepped.
-
-``enable`` makes **the optimizer step its engine**:
-
-- every DeepSpeed engine prepared with an optimizer is attached (``graphzero.attach``);
-- ``accelerator.backward(loss)`` is one plain ``loss.backward()`` (``DeepSpeedEngineWrapper`` replaced);
-- each optimizer's ``step()`` is ``engine.step()`` every micro-batch, with the accumulation boundary
-  set to Accelerate's ``sync_gradients``; ``zero_grad()`` is the engine's on a sync step, else a
-  no-op, like ``AcceleratedOptimizer``.
-  Stepping in ``accelerator.backward`` was rejected: a two-phase GAN whose G-loss also reaches D
-  would step D twice.
-- ``accelerator.clip_grad_norm_`` returns the *current* step's pre-clip norm (Accelerate's cached
-  one would be the previous step's): a collective at a sync step, the last norms inside a window.
-  ``max_norm`` is ignored: each engine clips by its own ``gradient_clipping``.
-- ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine.
-
-Where the loop cannot be made right, a :class:`graphzero.AccelerateError` names the model.
-
-Works with one ``Accelerator(deepspeed_plugins={...})`` or one ``Accelerator`` per model; models are
-named after their plugin. The pre-change checks and model discovery are in accelerate_checks.py.
+Without it (accelerate 1.16) only the first prepared engine is ever stepped. ``enable`` makes
+**the optimizer step its engine**: each engine prepared with an optimizer is attached;
+``accelerator.backward`` is a plain ``loss.backward()``; ``optimizer.step()`` is ``engine.step()``
+every micro-batch with Accelerate's ``sync_gradients`` as the boundary, ``zero_grad()`` the
+engine's on a sync step. (Stepping in ``accelerator.backward`` would step D twice in a GAN whose
+G-loss also reaches D.) ``clip_grad_norm_`` returns the current step's pre-clip norm (a collective
+at a sync step; ``max_norm`` is ignored, engines clip by their ``gradient_clipping``), and
+``accumulate`` never calls ``no_sync()`` on an attached engine. Where the loop cannot be made
+right, a :class:`graphzero.AccelerateError` names the model. Models are named after their plugin;
+checks and model discovery are in accelerate_checks.py.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")
 
-# Tested: accelerate 1.16.0 (with transformers 5.24.0 and deepspeed 0.19.8). The lower bound is
-# where multi-plugin DeepSpeed and this object layout were checked; 2.x is unknown.
+# Tested: accelerate 1.16.0 (transformers 5.24.0, deepspeed 0.19.8); 2.x is unknown.
 MIN_VERSION = "1.16"
 MAX_VERSION_EXCLUSIVE = "2"
 

@@ -1,10 +1,8 @@
 """What autograd was asked to accumulate, as seen from inside a compiled backward.
 
-A graphzero backward writes reduced shards into optimizer buffers where eager autograd would
-accumulate ``param.grad``, which it does only for the leaves of this backward (all for
-``loss.backward()``, those in ``inputs=``, none for ``torch.autograd.grad``). Asking autograd
-(``_will_engine_execute_node``) per engine, the runtime writes a shard exactly when eager would
-write ``.grad``. Collectives run either way, so every rank issues the same ones.
+Eager autograd writes ``param.grad`` only for the leaves of this backward (all, ``inputs=``, or none
+for ``torch.autograd.grad``); the runtime asks autograd per engine and writes a shard exactly then.
+Collectives run either way, so every rank issues the same ones.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Which device a tensor graphzero hands to a collective must live on.
 
-NCCL takes CUDA tensors only, gloo CPU (and CUDA), a ``device:backend`` group the devices it names.
-A tensor created without a device works under the tests' gloo on CPU but fails under NCCL, so every
-tensor made for a collective asks `collective_device`, and every engine buffer a collective reads
-or writes is created on ``ParamSet.device``. A backend torch does not know falls back to the
-group's ``_device_types``, as torch's ``_get_object_coll_device`` does.
+NCCL takes CUDA tensors only (a device-less tensor works under the tests' gloo, fails under NCCL),
+so every tensor made for a collective asks `collective_device`, and engine buffers live on
+``ParamSet.device``. Unknown backends fall back to ``_device_types``, as torch's object collectives do.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Attach the engines named in ``options["engines"]`` before Dynamo traces the step.
 
-The string form ``backend="graphzero", options={"engines": [...]}`` gives graphzero no call before
-Dynamo starts tracing, and Dynamo may run parts of the first call eagerly through DeepSpeed's own
-``engine.forward`` (its hooks break the graph), reducing gradients DeepSpeed's way or tracing
-ZeRO-3's empty parameters. So graphzero attaches from a Dynamo compile-start callback, kept across
-``torch._dynamo.reset()`` by a callback list whose ``clear()`` keeps it. Where it is gone all the
-same, the backend finds the engines unattached and raises
-:class:`~graphzero.errors.AttachTooLateError` on every rank. (``graphzero.backend(...)`` attaches in
-its constructor and needs none of this.)
+The string backend gives graphzero no call before tracing, and Dynamo may run parts of the first
+call eagerly through DeepSpeed's hooks. So graphzero attaches from a compile-start callback, kept
+across ``torch._dynamo.reset()``; if it is gone all the same, the backend raises
+:class:`~graphzero.errors.AttachTooLateError` on every rank. (``graphzero.backend(...)`` needs none of this.)
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The inductor settings graphzero compiles its graphs with, per torch version.
 
-graphzero's passes decide where every collective and wait goes; inductor's comm/compute overlap
-and peak-memory reordering passes may move them again. tests/test_inductor_overlap.py compiles
-graphzero's ZeRO-2 and ZeRO-3 graphs with each switch on and off and checks the collective order on
-every rank and the gradients; what it found unsafe is pinned (PINNED) on every graph graphzero
-compiles with inductor. The user's global setting still applies to the rest of their program.
+Inductor's overlap and peak-memory passes may move graphzero's collectives and waits again; what
+tests/test_inductor_overlap.py found unsafe is pinned (PINNED) on graphzero's graphs only.
 """
 from __future__ import annotations
 

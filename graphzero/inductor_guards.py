@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-# (first fixed version, device types, {config key: value}): applied while torch is older than that
-# version, to graphs on those devices.
+# (first fixed version, device types, {config key: value})
 _GUARDS = (((2, 15), ("cpu",), {"max_fusion_size": 1}),)
 
 

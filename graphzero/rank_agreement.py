@@ -1,9 +1,8 @@
 """Ranks agree on what they reduce before they reduce it, and collective failures get a clear name.
 
-A rank that recompiled, ran a frame eagerly or reached a different graph would meet its peers in
-mismatched collectives (a hang, a gloo abort, or a silent mix of buckets). So before each reduction
-the ranks exchange one int64 fingerprint of the plan; a difference is a `RankDisagreementError` on
-every rank. A failed collective (peer raised, died, hangs) becomes a `RankFaultError`.
+Before each reduction the ranks exchange one int64 fingerprint of the plan, so a rank that reached
+a different graph raises `RankDisagreementError` everywhere instead of hanging in mismatched
+collectives; a failed collective (peer raised, died, hangs) becomes a `RankFaultError`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The ZeRO-3 parameter gather, as an autograd function of the shard.
 
-Forward: all-gather of this rank's shard (the last shard's tail is padding), the first ``numel``
-elements viewed to the parameter's shape. Backward: the padded full gradient is reduce-scatter
-SUMMED (averaging by 1/(world x gas) happens later, in fp32, in the fp32_accumulate pass).
-Functional collectives, not custom ops: Dynamo traces both directions, and inductor's comm passes
-and AOT's partitioner recognise them (the gather can be recomputed in backward, not saved).
+Forward: all-gather of the shards, the first ``numel`` elements viewed to the parameter's shape.
+Backward: reduce-scatter SUM (averaging happens later, in fp32, in the fp32_accumulate pass).
+Functional collectives, so Dynamo, inductor and AOT's partitioner see them (recompute, not save).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The torch and DeepSpeed versions graphzero is tested with, checked when graphzero is imported.
 
-graphzero relies on internals of torch 2.13-2.15 (AOT autograd's output descriptors, inductor's
-collective handling; CI tests 2.13.0 and 2.15.0) and DeepSpeed 0.19.x (ZeRO partition buffers and
-hooks). Outside them it would fail deep in a compile or silently skip a gradient, so import raises
-a :class:`VersionError`; ``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1`` makes it a warning. Versions come
-from distribution metadata (DeepSpeed is slow to import); a package not installed is not checked.
+graphzero relies on torch 2.13-2.15 and DeepSpeed 0.19.x internals; outside them import raises a
+:class:`VersionError` (``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1``: a warning). Read from distribution
+metadata; a package not installed is not checked.
 """
 from __future__ import annotations
 

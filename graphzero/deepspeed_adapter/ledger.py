@@ -48,7 +48,6 @@ class PatchLedger:
         """What each recorded change was, oldest first."""
         return [what for what, _ in self._undo]
 
-    # -- attributes -----------------------------------------------------------------------------
     def set_attr(self, obj: object, name: str, value: Any) -> None:
         """``setattr(obj, name, value)``, remembering what was there (through a class data descriptor)."""
         what = f"{type(obj).__name__}.{name}"
@@ -81,7 +80,6 @@ class PatchLedger:
         else:
             d[name] = old
 
-    # -- hooks ----------------------------------------------------------------------------------
     def remove_hook(self, handle) -> None:
         """Remove someone else's hook by its handle; undo puts it back under the same id at the same
         position, so the handle its owner keeps still removes it."""
@@ -114,7 +112,6 @@ class PatchLedger:
         self._undo.append((f"add post-accumulate-grad hook {handle.id}", remove))
         return handle
 
-    # -- containers and the rest ----------------------------------------------------------------
     def clear_list(self, lst: list) -> None:
         """Empty ``lst`` in place; undo refills the same list object with the same items."""
         saved = list(lst)

@@ -1,15 +1,12 @@
-"""Engine names: one per attached engine, unique in the process whatever attached it (one graph
-can reach engines that different calls attached, e.g. a GAN's G-step through D).
+"""Engine names: one per attached engine, unique in the process whatever attached it.
 
-- Unnamed: keeps its name while attached; else its last name if free, else ``engineK`` for the
-  smallest K never given to another engine in this process (default names are never reused).
-- Explicit (dict key, keyword, Accelerate plugin): a clash within one call is an `OwnershipError`;
-  an engine attached earlier that holds it is renamed ``name#2`` (``#3``, ...; logged) rather than
-  refused, since it is usually stale and kept alive by Dynamo's caches, and liveness depends on
-  each rank's garbage collector, which must not decide a name.
+- Unnamed: keeps its name while attached, else its last name if free, else the smallest
+  ``engineK`` never given to another engine in this process.
+- Explicit: a clash within one call is an `OwnershipError`; an earlier engine holding it is renamed
+  ``name#2`` (logged), not refused: it is usually stale, kept alive by Dynamo's caches, and each
+  rank's garbage collector must not decide a name.
 
-``_GIVEN`` (every name given, weakly to the engine that got it last) is the only state, written
-only by `record`; so which names are free is the same on every rank.
+``_GIVEN`` (every name given, weakly to its last engine) is the only state, written by `record`.
 """
 from __future__ import annotations
 
