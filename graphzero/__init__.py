@@ -67,8 +67,7 @@ def detach(*engines: Any) -> None:
 
 
 def _register() -> None:
-    # With the package installed, the entry point makes the backend visible; registering again
-    # by name would fail with "duplicate name".
+    # Installed, the entry point registers it; registering again fails with "duplicate name".
     if any(ep.name == "graphzero" for ep in entry_points(group="torch_dynamo_backends")):
         return
     from torch._dynamo import list_backends, register_backend

@@ -193,8 +193,7 @@ class _PlainBackward:
                 "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())")
         for record in records:
             record.awaiting_step = False
-            # This backward's boundary is Accelerate's: a ZeRO-1 engine with gas > 1 reduces only
-            # at the boundary, and would otherwise see the flag its last step() left.
+            # ZeRO-1 with gas > 1 reduces only at the boundary: not the flag its last step() left.
             record.engine.set_gradient_accumulation_boundary(sync_gradients)
         loss.backward(**kwargs)
         if grad_fn is not None:

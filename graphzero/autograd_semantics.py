@@ -15,8 +15,7 @@ from torch.autograd.graph import get_gradient_edge
 from .errors import AutogradUsageError, InternalsError
 from .ownership import ParamSet
 
-# What _will_engine_execute_node raises for a leaf while torch.autograd.grad() runs (torch 2.13-2.15):
-# the one error that means "this backward writes no .grad".
+# _will_engine_execute_node's error for a leaf under torch.autograd.grad() (2.13-2.15): "no .grad".
 _AUTOGRAD_GRAD_LEAF = "currently running autograd.grad()"
 
 

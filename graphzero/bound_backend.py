@@ -2,8 +2,7 @@
 
     step = torch.compile(step, backend=graphzero.backend(gen=gen, disc=disc, inner="eager"))
 
-The constructor attaches the engines before Dynamo traces anything: no compile-start callback, no
-stack inspection, and ``torch._dynamo.reset()`` changes nothing.
+The constructor attaches the engines before Dynamo traces anything (no compile-start callback).
 """
 from __future__ import annotations
 
@@ -22,12 +21,8 @@ _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options)) - {"engin
 
 
 class GraphZeroBackend:
-    """A torch.compile backend that owns the given DeepSpeed engines' parameters.
-
-    Positional engines get default names (deepspeed_adapter/names.py); keyword arguments are options
-    when their name is one, named engines otherwise; ``engines=`` is accepted too, so
-    ``graphzero.backend(**options)`` turns an ``options`` dict into a backend object.
-    """
+    """A torch.compile backend owning these engines' parameters. Keywords are options where they
+    name one, named engines otherwise; ``engines=`` is accepted too (``graphzero.backend(**options)``)."""
 
     def __init__(self, *engines: Any, **kwargs: Any) -> None:
         options = {k: v for k, v in kwargs.items() if k in _OPTION_NAMES}

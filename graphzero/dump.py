@@ -39,7 +39,7 @@ def _world() -> int:
 
 
 class GraphDump:
-    """Writes one compiled graph's stages; `summary.json` is updated once its backward is done."""
+    """Writes one compiled graph's stages; `summary.json` once its backward is done."""
 
     def __init__(self, root: Path | None, graph_id: str, inner: str) -> None:
         self.root = root
@@ -107,8 +107,7 @@ class GraphDump:
                 "stage": ps.stage, "params": len(owned), "numel": sum(_full_numel(o) for o in owned),
                 **{k: stats.get(k, 0) for k in ("buckets", "reduce_scatter", "all_reduce")},
                 "all_gather": stats.get("all_gather_fwd", 0) + stats.get("all_gather_bwd", 0),
-                # ZeRO-3 per-step gathers in forward and (recomputed) backward, their bytes, peak alive;
-                # ZeRO-1 gas > 1: gradients added to / reduced from the local accumulation buffer
+                # ZeRO-3 gathers per step, their bytes and peak alive; ZeRO-1 gas > 1 local accumulation
                 **{k: stats.get(k, 0) for k in (
                     "all_gather_fwd", "all_gather_bwd", "all_gather_bytes_fwd", "all_gather_bytes_bwd",
                     "gathered_peak_bytes_fwd", "gathered_peak_bytes_bwd", "fp32_accumulate", "local_accumulate",

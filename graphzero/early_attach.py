@@ -50,9 +50,8 @@ def _on_compile_start(_args: Any) -> None:
         return
     from . import deepspeed_adapter
     from .options import Options
-    # A GraphZeroError here (bad option, not an engine, unsupported config) reaches the caller of
-    # the compiled step as it is, before anything is traced: Dynamo re-raises it on every rank.
-    # This runs under Dynamo's callback lock: attaching must not compile anything.
+    # A GraphZeroError here reaches the caller before anything is traced (Dynamo re-raises it on
+    # every rank). This runs under Dynamo's callback lock: attaching must not compile anything.
     opts = Options.parse(options)
     deepspeed_adapter.attach(opts.engines, **opts.step_settings)
 
