@@ -56,7 +56,6 @@ def engine_device(engine_device_attr: torch.device | str | None, params) -> torc
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: object | None = None, async_op: bool = False):
-    """``dist.all_gather_single`` where torch has it (2.13 renamed it; the old name warns), else
-    ``all_gather_into_tensor``. Looked up per call, so a patched ``torch.distributed`` sees it."""
+    """``dist.all_gather_single`` (2.13's name) or ``all_gather_into_tensor``; per call, so patchable."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)

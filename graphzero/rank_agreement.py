@@ -25,8 +25,7 @@ def fingerprint(plan: object) -> int:
 
 
 def agree(value: int, process_group: object, what: str, timeout_s: float | None = None) -> None:
-    """All-gather ``value``; raise on every rank unless all hold the same one. A peer that never
-    arrives is a RankFaultError after ``timeout_s`` (None: the process group's timeout)."""
+    """Raise on every rank unless all hold the same ``value`` (a missing peer: RankFaultError)."""
     world = dist.get_world_size(process_group)
     if world == 1:
         return

@@ -42,8 +42,7 @@ def _describe(binding: DeepSpeedBinding) -> str:
 
 
 def assign(requests: Sequence[tuple[str, DeepSpeedBinding]]) -> tuple[list[str], list[tuple[DeepSpeedBinding, str]]]:
-    """The name each ``(label, binding)`` of one attach call gets, and the ``(binding, new name)``
-    of earlier engines displaced; raises `OwnershipError` for a clash within the call. Pure."""
+    """Names for one attach call's ``(label, binding)`` pairs, and ``(binding, new name)`` displaced."""
     mine = {id(b.engine) for _, b in requests}
     kept = {b.name: b for label, b in requests if isinstance(label, DefaultName) and b.installed}
     explicit = [label for label, _ in requests if not isinstance(label, DefaultName)]
