@@ -27,8 +27,7 @@ from .errors import (
 )
 from .versions import check_versions
 
-# Before the modules that use torch and DeepSpeed internals: outside the tested versions, fail here
-# with a VersionError naming the package rather than deep inside a compile.
+# Before the modules using torch/DeepSpeed internals: fail here, not deep inside a compile.
 check_versions()
 
 from . import deepspeed_adapter, early_attach
@@ -36,31 +35,25 @@ from .bound_backend import GraphZeroBackend, backend
 from .compiler import graphzero_backend
 from .options import Options
 
-__all__ = ["AccelerateError", "AttachTooLateError", "AutogradUsageError", "GraphZeroBackend", "GraphZeroError", "NoGradientError", "NotAnEngineError",
-           "OptionError", "OwnershipError", "RankDisagreementError", "RankFaultError", "UnsupportedConfigError",
-           "VersionError",
-           "WorldMismatchError", "attach", "backend", "detach", "graphzero_backend", "wait_params"]
+__all__ = ["AccelerateError", "AttachTooLateError", "AutogradUsageError", "GraphZeroBackend", "GraphZeroError",
+           "NoGradientError", "NotAnEngineError", "OptionError", "OwnershipError", "RankDisagreementError",
+           "RankFaultError", "UnsupportedConfigError", "VersionError", "WorldMismatchError", "attach", "backend",
+           "detach", "graphzero_backend", "wait_params"]
 
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 
 
 def attach(*engines: Any, **named_engines: Any) -> None:
-    """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it.
-
-    For code that cannot pass ``options={"engines": ...}`` (e.g. ``module.compile(backend="graphzero")``).
-    Positional engines are named ``engine0``, ``engine1``, ... (an attached engine keeps its name;
-    a new one gets the next ``engineK`` never given to another engine in this process); keyword
-    ones by their keyword (an engine attached earlier under it becomes ``name#2``; logged).
-    """
+    """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it, for
+    code that cannot pass ``options={"engines": ...}``. Naming: deepspeed_adapter/names.py."""
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
     deepspeed_adapter.attach(pairs)
     early_attach.install()
 
 
 def wait_params(*engines: Any) -> None:
-    """Wait until these engines' parameters are current (a deferred all-gather from the last
-    ``step()`` is complete). Module calls, ``state_dict``, checkpoints, ``parameters()`` and the
-    next step wait by themselves; this is for a parameter tensor kept from before ``step()``."""
+    """Wait for the last ``step()``'s deferred all-gather: for a parameter tensor kept from before
+    ``step()`` (module calls, ``state_dict``, ``parameters()`` and the next step wait by themselves)."""
     for engine in engines:
         binding = deepspeed_adapter.binding_of(engine)
         if binding is not None:
@@ -74,8 +67,7 @@ def detach(*engines: Any) -> None:
 
 
 def _register() -> None:
-    # With the package installed, the entry point makes the backend visible; registering again
-    # by name would fail with "duplicate name".
+    # Installed, the entry point registers it; registering again fails with "duplicate name".
     if any(ep.name == "graphzero" for ep in entry_points(group="torch_dynamo_backends")):
         return
     from torch._dynamo import list_backends, register_backend
@@ -97,8 +89,7 @@ early_attach.install()
 
 
 def __getattr__(name: str) -> Any:
-    # `graphzero.accelerate` (HF Accelerate integration) is imported on first use: accelerate is an
-    # optional extra, and `import graphzero` must not import it.
+    # `import graphzero` must not import the optional accelerate extra.
     if name == "accelerate":
         import importlib
         return importlib.import_module(".accelerate", __name__)

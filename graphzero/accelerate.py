@@ -9,63 +9,16 @@
             accelerator.backward(step(z, real))
             opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()
 
-What Accelerate does without it (accelerate 1.16, read in ``Accelerator._prepare_deepspeed`` and
-``utils/deepspeed.py``): only the first prepared engine is wrapped, ``accelerator.backward(loss)``
-runs that engine's ``engine.backward(loss)`` and ``engine.step()``, and every prepared optimizer's
-``step()`` / ``zero_grad()`` is a no-op. Every other model is silently never stepped.
-
-What ``enable`` changes (design choice: **the optimizer steps its engine**):
-
-- every DeepSpeed engine the accelerator prepared with an optimizer is attached to graphzero
-  (``graphzero.attach``): its gradients are reduced in the compiled backward graph, scaled by
-  1/(world x its own gas);
-- ``accelerator.backward(loss)`` is one plain ``loss.backward()``: no ``engine.backward``, no
-  ``engine.step()`` (Accelerate's ``DeepSpeedEngineWrapper`` is replaced);
-- each prepared optimizer's ``step()`` is its engine's ``engine.step()``, called every micro-batch
-  as DeepSpeed's managed gradient accumulation expects, with the engine's accumulation boundary set
-  to Accelerate's ``sync_gradients``: the engine updates exactly once per Accelerate
-  accumulation window, when the user's loop says so; ``zero_grad()`` is the engine's (drops the
-  accumulated shards) on a sync step and does nothing inside an accumulation window, like
-  Accelerate's own ``AcceleratedOptimizer``.
-
-Stepping in ``accelerator.backward`` (Accelerate's DeepSpeed behaviour) was rejected: with several
-models it would step every model reached by a loss, so a two-phase GAN (D-step, then a G-step
-whose loss also reaches D) would step D twice, on the generator's loss. Driving the engines from
-their optimizers gives each model exactly the step the loop asks for, as in plain PyTorch.
-
-- ``accelerator.clip_grad_norm_(parameters, max_norm)`` returns the gradient norm of the *current*
-  step (Accelerate's DeepSpeed path returns the engine's cached norm, which under graphzero, whose
-  backward does not step, would be the previous step's): at a sync step, the pre-clip global norm of
-  the reduced gradients of every attached engine that owns one of ``parameters``, combined as one
-  vector's norm ``sqrt(sum of each engine's norm squared)`` (Accelerate defines it as "the total norm
-  of the parameter gradients, viewed as a single vector"; with one engine it is that engine's
-  ``get_global_grad_norm()`` after the step). It is a collective (call it on every rank, as
-  Accelerate's loops do). Inside an accumulation window (no sync) it returns the engines' last
-  norms without communicating, as Accelerate does. Clipping itself stays DeepSpeed's (each engine by
-  its own ``gradient_clipping``; ``max_norm`` is ignored, as under Accelerate's DeepSpeed path).
-  An engine's norm is an engine-wide quantity: passing only some of an engine's parameters gives
-  the whole engine's norm.
-- ``accelerator.accumulate(...)`` never calls ``no_sync()`` on an attached engine (graphzero reduces
-  in-graph: ZeRO-2 every micro-batch, ZeRO-1 at the boundary, which ``accelerator.backward`` sets
-  from ``sync_gradients`` before the backward; DeepSpeed's ``no_sync`` refuses ZeRO-2, and Accelerate picks
-  ``no_sync`` from whichever plugin was selected last).
-
-Where the loop cannot be made right, a :class:`graphzero.AccelerateError` names the model: an
-Accelerate version or object layout this module does not know, a model or optimizer prepared
-without DeepSpeed next to DeepSpeed engines, a model prepared after ``enable``, Accelerate's
-``gradient_accumulation_steps`` differing from an engine's, a second ``accelerator.backward`` of a
-loss already reduced, an engine ``step()``-ed at a boundary with no gradient (a double step), and
-gradients from an accumulation boundary that neither ``step()`` nor ``zero_grad()`` consumed
-before the next backward (a loop that relies on Accelerate stepping engines in ``backward``).
-
-Both forms work: one ``Accelerator(deepspeed_plugins={name: plugin, ...})`` with
-``select_deepspeed_plugin(name)`` before each ``prepare``, and one ``Accelerator`` per model (in
-Accelerate's design the first one holds every plugin and later ones are created without one);
-call ``enable(acc_a, acc_b)`` (or ``enable`` on each). Models are named after their plugin.
-
-This module is the entry point and the runtime wrappers ``enable`` installs (optimizer ``step`` /
-``zero_grad``, the plain backward, ``no_sync``); the checks made before anything changes, and
-finding the DeepSpeed models an Accelerator prepared, are in accelerate_checks.py.
+Without it (accelerate 1.16) only the first prepared engine is ever stepped. ``enable`` makes
+**the optimizer step its engine**: each engine prepared with an optimizer is attached;
+``accelerator.backward`` is a plain ``loss.backward()``; ``optimizer.step()`` is ``engine.step()``
+every micro-batch with Accelerate's ``sync_gradients`` as the boundary, ``zero_grad()`` the
+engine's on a sync step. (Stepping in ``accelerator.backward`` would step D twice in a GAN whose
+G-loss also reaches D.) ``clip_grad_norm_`` returns the current step's pre-clip norm (a collective
+at a sync step; ``max_norm`` is ignored, engines clip by their ``gradient_clipping``), and
+``accumulate`` never calls ``no_sync()`` on an attached engine. Where the loop cannot be made
+right, a :class:`graphzero.AccelerateError` names the model. Models are named after their plugin;
+checks and model discovery are in accelerate_checks.py.
 """
 
 from __future__ import annotations
@@ -102,36 +55,22 @@ class _Model:
 
     name: str
     engine: Any
-    # Set by a sync (boundary) backward that left gradients in the engine: they must be consumed
-    # (step) or dropped (zero_grad) before the next backward.
+    # A boundary backward left gradients: step() or zero_grad() must consume them before the next.
     awaiting_step: bool = False
     optimizers: list = field(default_factory=list)
 
 
 def _registry(accelerator: Any) -> dict:
-    """``{engine: _Model}`` of the engines enabled in this Accelerate session.
-
-    Kept in Accelerate's GradientState, the process singleton every Accelerator of a session shares
-    (it holds ``sync_gradients``): one registry serves the one-Accelerator-per-model form, and
-    resetting Accelerate's state (``GradientState._reset_state()``) forgets it.
-    """
-    gradient_state = accelerator.gradient_state
-    registry = gradient_state.__dict__.get("_graphzero_models")
-    if registry is None:
-        registry = gradient_state.__dict__["_graphzero_models"] = {}
-    return registry
+    """``{engine: _Model}`` of this Accelerate session, kept in the shared GradientState singleton
+    (so one-Accelerator-per-model works, and ``GradientState._reset_state()`` forgets it)."""
+    return accelerator.gradient_state.__dict__.setdefault("_graphzero_models", {})
 
 
 def enable(*accelerators: Any) -> dict[str, Any]:
-    """Attach every DeepSpeed engine these accelerators prepared and make their loop right.
-
-    Call after the last ``accelerator.prepare(...)``; returns ``{name: engine}`` of the attached
-    engines (named after their DeepSpeed plugin). Idempotent.
-    """
+    """Attach every DeepSpeed engine these accelerators prepared (call after the last ``prepare``);
+    returns ``{name: engine}``. Idempotent."""
     if not accelerators:
-        raise AccelerateError(
-            "graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train"
-        )
+        raise AccelerateError("graphzero.accelerate.enable() needs the Accelerator(s) whose models it should train")
     check_version()
     found: list[tuple[str, Any, list]] = []
     for accelerator in accelerators:
@@ -155,9 +94,7 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         _patch_accelerator(accelerator)
     for name, engine, optimizers in found:
         if not optimizers:
-            log.warning(
-                "graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name
-            )
+            log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name)
     log.info("graphzero.accelerate: attached %s", [name for name, _, _ in found])
     return {name: engine for name, engine, _ in found}
 
@@ -182,9 +119,6 @@ def disable(*accelerators: Any) -> None:
         delattr(accelerator, _ATTR)
 
 
-# -- the Accelerate-specific part that reads DeepSpeed optimizer state ----------------------------
-
-
 def _has_gradients(engine: Any) -> bool:
     """Whether the engine holds reduced gradients its next boundary step() would consume."""
     binding = deepspeed_adapter.binding_of(engine)
@@ -198,24 +132,18 @@ def _has_gradients(engine: Any) -> bool:
     return any(opt.averaged_gradients.get(i) is not None for i in range(len(binding.param_set.groups)))
 
 
-# -- patches --------------------------------------------------------------------------------------
-
-
 def _patch_optimizer(opt: Any, record: _Model) -> None:
     engine = record.engine
 
     def step(closure: Any = None) -> None:
         if closure is not None:
-            raise AccelerateError(
-                f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines"
-            )
+            raise AccelerateError(f"model {record.name!r}: optimizer.step(closure) is not supported by DeepSpeed engines")
         sync = opt.gradient_state.sync_gradients
         if sync and not _has_gradients(engine):
             raise AccelerateError(
                 f"model {record.name!r}: optimizer.step() at an accumulation boundary, but the model received no "
                 "gradient since its last step (a second step() without a backward in between, or a loss that does "
-                "not reach this model)"
-            )
+                "not reach this model)")
         # DeepSpeed's managed accumulation: engine.step() every micro-batch; Accelerate decides the boundary.
         engine.set_gradient_accumulation_boundary(sync)
         engine.step()
@@ -229,8 +157,7 @@ def _patch_optimizer(opt: Any, record: _Model) -> None:
 
 
 class _PlainBackward:
-    """Stands in for Accelerate's ``DeepSpeedEngineWrapper``: ``accelerator.backward(loss)`` becomes
-    one plain ``loss.backward()``; stepping is left to the prepared optimizers."""
+    """Replaces ``DeepSpeedEngineWrapper``: one plain ``loss.backward()``, no stepping."""
 
     def __init__(self, accelerator: Any, wrapped: Any) -> None:
         self._accelerator = accelerator
@@ -250,31 +177,23 @@ class _PlainBackward:
             raise AccelerateError(
                 f"accelerator.backward() of a loss whose graph was already reduced by graphzero (models "
                 f"{sorted(r.name for r in records)}): a second backward would add every engine's reduced "
-                "gradient again. Call accelerator.backward() once per loss (sum the losses first)"
-            )
-        unattached = [
-            m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry
-        ]
+                "gradient again. Call accelerator.backward() once per loss (sum the losses first)")
+        unattached = [m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry]
         if unattached:
             raise AccelerateError(
                 f"model ({describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "
-                "enable(accelerator) again after the last accelerator.prepare()"
-            )
+                "enable(accelerator) again after the last accelerator.prepare()")
         for record in records:
             check_gas(accelerator, record.name, record.engine)
-        # Gradients a boundary backward left are consumed by a step() or dropped by zero_grad()
-        # (the optimizer's or the engine's own) before the next backward, or nobody steps them.
         stale = [r.name for r in records if r.awaiting_step and _has_gradients(r.engine)]
         if stale:
             raise AccelerateError(
                 f"model(s) {stale} still hold gradients from the last accumulation boundary that neither "
                 "optimizer.step() nor optimizer.zero_grad() consumed; under graphzero.accelerate, "
-                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())"
-            )
+                "accelerator.backward() does not step engines: call each prepared optimizer's step() (and zero_grad())")
         for record in records:
             record.awaiting_step = False
-            # This backward's boundary is Accelerate's: a ZeRO-1 engine with gas > 1 reduces only
-            # at the boundary, and would otherwise see the flag its last step() left.
+            # ZeRO-1 with gas > 1 reduces only at the boundary: not the flag its last step() left.
             record.engine.set_gradient_accumulation_boundary(sync_gradients)
         loss.backward(**kwargs)
         if grad_fn is not None:
@@ -294,8 +213,7 @@ def _patch_accelerator(accelerator: Any) -> None:
 
     @contextlib.contextmanager
     def no_sync(model: Any):
-        # graphzero reduces in-graph (ZeRO-1: at the boundary); DeepSpeed's no_sync would refuse ZeRO-2
-        # (Accelerate chooses by the last selected plugin, not by this model's stage).
+        # DeepSpeed's no_sync refuses ZeRO-2 (Accelerate picks it by the last selected plugin).
         if deepspeed_adapter.binding_of(model) is not None:
             yield
         else:
@@ -313,8 +231,7 @@ def _patch_accelerator(accelerator: Any) -> None:
         if norm_type != 2:
             raise AccelerateError(
                 f"accelerator.clip_grad_norm_(norm_type={norm_type}) on models {[r.name for r in records]}: "
-                "DeepSpeed engines compute the L2 norm only"
-            )
+                "DeepSpeed engines compute the L2 norm only")
         return _combined_norm(records, accelerator.sync_gradients)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_

@@ -1,13 +1,6 @@
-"""What ``graphzero.accelerate`` checks before it changes anything, and how it finds the models.
-
-- the Accelerate version and the object layout its wrappers replace (``check_version``,
-  ``check_accelerator``);
-- the DeepSpeed models an Accelerator prepared, named after their DeepSpeed plugin, refusing a
-  trainable model or an optimizer prepared without DeepSpeed next to them (``deepspeed_models``);
-- Accelerate's ``gradient_accumulation_steps`` against each engine's (``check_gas``).
-
-Every refusal is a :class:`graphzero.AccelerateError` naming the model. The runtime wrappers that
-``enable`` installs are in accelerate.py.
+"""What ``graphzero.accelerate`` checks before it changes anything (version, Accelerator layout,
+gradient_accumulation_steps), and how it finds the DeepSpeed models an Accelerator prepared.
+Every refusal is a :class:`graphzero.AccelerateError` naming the model.
 """
 
 from __future__ import annotations
@@ -20,12 +13,9 @@ from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")
 
-# Tested: accelerate 1.16.0 (with transformers 5.24.0 and deepspeed 0.19.8). The lower bound is
-# where multi-plugin DeepSpeed and this object layout were checked; 2.x is unknown.
+# Tested: accelerate 1.16.0 (transformers 5.24.0, deepspeed 0.19.8); 2.x is unknown.
 MIN_VERSION = "1.16"
 MAX_VERSION_EXCLUSIVE = "2"
-
-
 
 
 def check_version() -> None:
@@ -34,9 +24,7 @@ def check_version() -> None:
         from accelerate import Accelerator
         from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper  # noqa: F401
     except ImportError as exc:
-        raise AccelerateError(
-            f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}"
-        )
+        raise AccelerateError(f"graphzero.accelerate needs HF Accelerate (pip install 'graphzero[accelerate]'): {exc}")
     from packaging.version import Version
 
     version = Version(accelerate.__version__)
@@ -44,10 +32,8 @@ def check_version() -> None:
         raise AccelerateError(
             f"accelerate {accelerate.__version__} is not a version graphzero.accelerate understands "
             f"(tested: >={MIN_VERSION},<{MAX_VERSION_EXCLUSIVE}); it replaces Accelerate's DeepSpeed backward and "
-            "optimizer wrappers and cannot tell whether they still work the way it assumes"
-        )
-    # The one code path replaced: Accelerator.backward must reach DeepSpeed through
-    # deepspeed_engine_wrapped.backward(loss, sync_gradients=...), or that replacement is bypassed.
+            "optimizer wrappers and cannot tell whether they still work the way it assumes")
+    # Accelerator.backward must reach DeepSpeed through deepspeed_engine_wrapped.backward, the one path replaced.
     try:
         source = inspect.getsource(Accelerator.backward)
     except (OSError, TypeError):
@@ -55,8 +41,7 @@ def check_version() -> None:
     if source is not None and "deepspeed_engine_wrapped.backward" not in source:
         raise AccelerateError(
             f"accelerate {accelerate.__version__}: Accelerator.backward no longer calls "
-            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()"
-        )
+            "deepspeed_engine_wrapped.backward, which graphzero.accelerate replaces with a plain loss.backward()")
 
 
 def check_accelerator(accelerator: Any) -> None:
@@ -66,13 +51,11 @@ def check_accelerator(accelerator: Any) -> None:
         if not hasattr(accelerator, attr):
             raise AccelerateError(
                 f"{type(accelerator).__name__} has no {attr!r}: not an Accelerator this version of "
-                "graphzero.accelerate understands"
-            )
+                "graphzero.accelerate understands")
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise AccelerateError(
             f"the Accelerator uses {accelerator.distributed_type}, not DeepSpeed: graphzero.accelerate trains "
-            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))"
-        )
+            "models prepared with a DeepSpeed plugin (Accelerator(deepspeed_plugins={...}))")
 
 
 def is_engine(obj: Any) -> bool:
@@ -87,9 +70,8 @@ def describe(model: Any) -> str:
 
 
 def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str, Any, list]]:
-    """``(name, engine, [prepared optimizer wrappers])`` of each trainable DeepSpeed model; refuses
-    models and optimizers that Accelerate prepared without DeepSpeed. ``known`` maps engines already
-    enabled to their names, which they keep."""
+    """``(name, engine, [optimizer wrappers])`` of each trainable DeepSpeed model (``known``: engines
+    already enabled, which keep their names); refuses models and optimizers prepared without DeepSpeed."""
     from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
     raw = getattr(accelerator.state, "deepspeed_plugins", None)
@@ -104,15 +86,13 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
             raise AccelerateError(
                 f"model {i} ({describe(model)}) was prepared without DeepSpeed next to DeepSpeed engines: its "
                 f"gradients (e.g. {trainable[0]!r}) would be neither averaged over ranks nor stepped by any engine. "
-                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it"
-            )
+                "Prepare it through accelerator.prepare() with its own DeepSpeed plugin, or freeze it")
     for opt in accelerator._optimizers:
         if not isinstance(opt, DeepSpeedOptimizerWrapper):
             raise AccelerateError(
                 f"optimizer {type(getattr(opt, 'optimizer', opt)).__name__} was prepared without DeepSpeed next to "
                 "DeepSpeed engines: graphzero.accelerate cannot tell which model it trains. Prepare each model "
-                "together with its optimizer"
-            )
+                "together with its optimizer")
     taken = {name: engine for engine, name in known.items()}
     for engine in engines:
         name = plugin_name(engine, plugins, known) or "model"
@@ -121,11 +101,8 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
             name = next(f"{name}{k}" for k in range(1, len(taken) + 2) if f"{name}{k}" not in taken)
         taken[name] = engine
         if engine.optimizer is None:
-            # Inference only (a teacher): nothing to reduce or step. Its parameters get plain
-            # autograd .grad if a loss reaches them with grad enabled.
-            log.info(
-                "graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name
-            )
+            # Inference only (a teacher): nothing to reduce or step.
+            log.info("graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name)
             continue
         optimizers = [opt for opt in accelerator._optimizers if opt.optimizer is engine.optimizer]
         found.append((name, engine, optimizers))
@@ -149,5 +126,4 @@ def check_gas(accelerator: Any, name: str, engine: Any) -> None:
             f"model {name!r}: DeepSpeed gradient_accumulation_steps={gas} but the Accelerator accumulates "
             f"over {accelerator.gradient_accumulation_steps} micro-batches: the engine would scale gradients by "
             f"1/{gas} and step on Accelerate's boundary. Give every plugin the same gradient_accumulation_steps "
-            "(or 'auto') as the Accelerator"
-        )
+            "(or 'auto') as the Accelerator")

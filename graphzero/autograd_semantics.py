@@ -1,12 +1,8 @@
 """What autograd was asked to accumulate, as seen from inside a compiled backward.
 
-A graphzero backward writes reduced shards directly into each engine's optimizer buffers, where
-eager autograd would have accumulated into ``param.grad``. Autograd does that only for the leaves
-it accumulates in this backward: all of them for ``loss.backward()``, those listed in
-``backward(inputs=...)``, none for ``torch.autograd.grad(...)``. This module asks the autograd
-engine (``torch._C._will_engine_execute_node`` on each parameter's AccumulateGrad node) which case
-this is, per engine, so that the runtime writes a shard exactly when eager autograd would have
-written ``.grad``. Collectives run either way, so every rank keeps issuing the same ones.
+Eager autograd writes ``param.grad`` only for the leaves of this backward (all, ``inputs=``, or none
+for ``torch.autograd.grad``); the runtime asks autograd per engine and writes a shard exactly then.
+Collectives run either way, so every rank issues the same ones.
 """
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ from torch.autograd.graph import get_gradient_edge
 from .errors import AutogradUsageError, InternalsError
 from .ownership import ParamSet
 
-# What _will_engine_execute_node raises for a leaf while torch.autograd.grad() runs (torch 2.13-2.15):
-# the one error that means "this backward writes no .grad".
+# _will_engine_execute_node's error for a leaf under torch.autograd.grad() (2.13-2.15): "no .grad".
 _AUTOGRAD_GRAD_LEAF = "currently running autograd.grad()"
 
 
@@ -28,8 +23,8 @@ class AccumulationProbe:
     """Per engine of one compiled backward: does this backward accumulate into its parameters?"""
 
     def __init__(self, present: dict[ParamSet, Sequence[tuple[torch.Tensor, str]]]) -> None:
-        """``present``: per engine, each graph input that receives a gradient here (the leaf
-        autograd would accumulate into: a parameter, or its ZeRO-3 shard) and its name."""
+        """``present``: per engine, each ``(leaf, name)`` receiving a gradient here (a parameter,
+        or its ZeRO-3 shard)."""
         self.present = present
         # AccumulateGrad nodes, kept alive so that the engine sees the same node objects.
         self._nodes: dict[ParamSet, list] = {}
@@ -56,7 +51,6 @@ class AccumulationProbe:
                     raise InternalsError(
                         f"engine {ps.name!r}: torch._C._will_engine_execute_node failed in a graphzero backward "
                         f"(torch {torch.__version__}): {exc}") from exc
-                # Raised for a leaf during torch.autograd.grad(): no .grad is written in that call.
                 will = [False] * len(params)
             if all(will):
                 out[ps] = True
@@ -71,11 +65,8 @@ class AccumulationProbe:
 
 
 def _create_graph() -> bool:
-    """Whether this backward runs with ``create_graph=True``.
-
-    AOT autograd runs such a backward inside its ``_double_backward`` autograd.Function, under
-    no_grad, and autograd exposes no create_graph flag: look for that frame on the stack.
-    """
+    """Whether this backward runs with ``create_graph=True``: autograd exposes no flag, but AOT
+    autograd runs such a backward inside its ``_double_backward``, so look for that frame."""
     frame = sys._getframe(1)
     for _ in range(16):
         if frame is None:

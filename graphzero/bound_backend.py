@@ -2,9 +2,7 @@
 
     step = torch.compile(step, backend=graphzero.backend(gen=gen, disc=disc, inner="eager"))
 
-The constructor attaches the engines, so they are graphzero's before Dynamo traces anything: no
-compile-start callback, no stack inspection, nothing to re-trace, and ``torch._dynamo.reset()``
-changes nothing. (DeepCompile binds its engine the same way, when its backend is made.)
+The constructor attaches the engines before Dynamo traces anything (no compile-start callback).
 """
 from __future__ import annotations
 
@@ -23,14 +21,8 @@ _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options)) - {"engin
 
 
 class GraphZeroBackend:
-    """A torch.compile backend that owns the given DeepSpeed engines' parameters.
-
-    Positional engines are named ``engine0``, ``engine1``, ... (unique per process:
-    deepspeed_adapter/names.py); keyword arguments are options when
-    their name is one (``inner``, ``bucket_size``, ...) and named engines otherwise. ``engines=``
-    (a list or ``{name: engine}`` dict) is accepted too, so ``graphzero.backend(**options)`` turns
-    an ``options`` dict into a backend object.
-    """
+    """A torch.compile backend owning these engines' parameters. Keywords are options where they
+    name one, named engines otherwise; ``engines=`` is accepted too (``graphzero.backend(**options)``)."""
 
     def __init__(self, *engines: Any, **kwargs: Any) -> None:
         options = {k: v for k, v in kwargs.items() if k in _OPTION_NAMES}
@@ -79,6 +71,5 @@ def _check_named_engine(name: str, value: Any) -> None:
 
 
 def backend(*engines: Any, **kwargs: Any) -> GraphZeroBackend:
-    """The graphzero backend bound to these engines (attached now), with these options:
-    ``torch.compile(step, backend=graphzero.backend(gen=gen, disc=disc, inner="eager"))``."""
+    """The graphzero backend bound to these engines (attached now), with these options."""
     return GraphZeroBackend(*engines, **kwargs)

@@ -1,15 +1,8 @@
 """Which device a tensor graphzero hands to a collective must live on.
 
-NCCL takes CUDA tensors only, gloo takes CPU (and CUDA) tensors, a group created with several
-``device:backend`` pairs takes the devices it names. graphzero's tests run gloo on CPU, where a
-tensor created without a device happens to be right; under NCCL the same tensor fails on the
-first collective. So every tensor graphzero creates for a collective asks `collective_device`,
-and every buffer an engine's collectives read or write is created on the engine's device
-(``ParamSet.device``), never on a default.
-
-The backend is read through ``torch.distributed.get_backend`` (public, and what a test patches to
-report NCCL); a backend torch does not know (a third-party plugin) falls back to the group's
-``_device_types``, as torch's own object collectives do (``_get_object_coll_device``).
+NCCL takes CUDA tensors only (a device-less tensor works under the tests' gloo, fails under NCCL),
+so every tensor made for a collective asks `collective_device`, and engine buffers live on
+``ParamSet.device``. Unknown backends fall back to ``_device_types``, as torch's object collectives do.
 """
 from __future__ import annotations
 
@@ -40,14 +33,9 @@ def current_device(device_type: str) -> torch.device:
 
 def collective_device(process_group: object | None, fallback_device: torch.device | str | None = None
                       ) -> torch.device:
-    """The device for tensors handed to ``process_group``'s collectives.
-
-    ``fallback_device`` (an engine's device, for tensors made from its buffers) wins when the
-    group accepts its type, so a gloo group on a GPU machine reduces CUDA gradients where they
-    are. Otherwise: the CPU when the group accepts it (a few bytes of host data, as torch's
-    object collectives choose), else the current device of the group's accelerator
-    (``cuda:<current>`` for NCCL).
-    """
+    """The device for tensors handed to ``process_group``'s collectives: ``fallback_device`` (an
+    engine's device) when the group accepts its type (gloo on a GPU machine reduces CUDA gradients
+    where they are), else the CPU if accepted, else the group accelerator's current device."""
     types = group_device_types(process_group)
     if fallback_device is not None:
         fallback = torch.device(fallback_device)
@@ -59,8 +47,7 @@ def collective_device(process_group: object | None, fallback_device: torch.devic
 
 
 def engine_device(engine_device_attr: torch.device | str | None, params) -> torch.device:
-    """An engine's device: DeepSpeed's ``engine.device``, or where its parameters live when
-    DeepSpeed left it unset (the CPU accelerator without a local rank)."""
+    """DeepSpeed's ``engine.device``, or where the parameters live when unset (CPU, no local rank)."""
     if engine_device_attr is not None:
         return torch.device(engine_device_attr)
     for p in params:
@@ -69,8 +56,6 @@ def engine_device(engine_device_attr: torch.device | str | None, params) -> torc
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: object | None = None, async_op: bool = False):
-    """``dist.all_gather_single`` where torch has it, else ``all_gather_into_tensor`` (torch 2.13
-    renamed it; the old name now warns at every call site). Looked up per call, so a patched
-    ``torch.distributed`` (the tests' fake CUDA, a user's tracing wrapper) sees the call."""
+    """``dist.all_gather_single`` (2.13's name) or ``all_gather_into_tensor``; per call, so patchable."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)

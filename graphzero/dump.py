@@ -1,8 +1,7 @@
 """The graph dump (docs/dump-format.md): graph code before/after each pass and summary.json.
 
-Passes record what they did in the PassContext (node metadata and per-engine counters); this
-module only collects and writes. It also emits each stage as a ``trace_structured`` artifact, so
-tlparse shows graphzero's graphs next to Dynamo's and inductor's.
+Passes record what they did in the PassContext; this module only collects and writes, and emits
+each stage as a ``trace_structured`` artifact for tlparse.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def _world() -> int:
 
 
 class GraphDump:
-    """Writes one compiled graph's stages; `summary.json` is updated once its backward is done."""
+    """Writes one compiled graph's stages; `summary.json` once its backward is done."""
 
     def __init__(self, root: Path | None, graph_id: str, inner: str) -> None:
         self.root = root
@@ -63,8 +62,7 @@ class GraphDump:
         return cls(root, graph_id, opts.inner)
 
     def variant(self, label: str) -> GraphDump:
-        """The dump of one backward variant (runtime/backward.py) of this graph: its own graph record
-        ``<graph id>-<label>`` (and directory), marked with ``variant`` and ``variant_of``."""
+        """The dump of one backward variant of this graph, as graph ``<graph id>-<label>``."""
         dump = GraphDump(self.root, f"{self.graph_id}-{label}", self.inner)
         dump.breaks_at_compile = self.breaks_at_compile
         dump.extra = {"variant": label, "variant_of": self.graph_id}
@@ -107,21 +105,13 @@ class GraphDump:
             name = ps.name if ps.name not in engines else f"{ps.name}#{len(engines)}"
             engines[name] = {
                 "stage": ps.stage, "params": len(owned), "numel": sum(_full_numel(o) for o in owned),
-                "buckets": stats.get("buckets", 0), "reduce_scatter": stats.get("reduce_scatter", 0),
-                "all_reduce": stats.get("all_reduce", 0),
+                **{k: stats.get(k, 0) for k in ("buckets", "reduce_scatter", "all_reduce")},
                 "all_gather": stats.get("all_gather_fwd", 0) + stats.get("all_gather_bwd", 0),
-                # ZeRO-3: parameter gathers per step in the forward and (recomputed) backward graph,
-                # their bytes, and the peak bytes of gathered parameters alive at once
-                "all_gather_fwd": stats.get("all_gather_fwd", 0), "all_gather_bwd": stats.get("all_gather_bwd", 0),
-                "all_gather_bytes_fwd": stats.get("all_gather_bytes_fwd", 0),
-                "all_gather_bytes_bwd": stats.get("all_gather_bytes_bwd", 0),
-                "gathered_peak_bytes_fwd": stats.get("gathered_peak_bytes_fwd", 0),
-                "gathered_peak_bytes_bwd": stats.get("gathered_peak_bytes_bwd", 0),
-                "fp32_accumulate": stats.get("fp32_accumulate", 0),
-                # ZeRO-1 with gas > 1: gradients added to (variant "accumulate") or reduced from
-                # (variant "boundary") the engine's local accumulation buffer
-                "local_accumulate": stats.get("local_accumulate", 0),
-                "comm_bytes_per_step": stats.get("comm_bytes_per_step", 0),
+                # ZeRO-3 gathers per step, their bytes and peak alive; ZeRO-1 gas > 1 local accumulation
+                **{k: stats.get(k, 0) for k in (
+                    "all_gather_fwd", "all_gather_bwd", "all_gather_bytes_fwd", "all_gather_bytes_bwd",
+                    "gathered_peak_bytes_fwd", "gathered_peak_bytes_bwd", "fp32_accumulate", "local_accumulate",
+                    "comm_bytes_per_step")},
                 "comm_bytes_by_dtype": stats.get("comm_bytes_by_dtype", {}),
                 "grad_dtype": str(owned[0].param.dtype).removeprefix("torch.") if owned else None,
                 "comm_dtype": str(ps.comm_dtype).removeprefix("torch."),

@@ -1,25 +1,16 @@
 """Inductor config switches that keep graphzero's graphs correct on torch versions with a known
 inductor miscompile (docs/inductor-unet-miscompile.md).
 
-torch 2.13 (and 2.14, not measured: same scheduler code) CPU inductor computes wrong gradients for
-a diffusers UNet's backward (an up block's residual + nearest-upsample + conv: the gradient entering
-the block is entirely wrong), with or without graphzero. It is a scheduler fusion fault: no narrower switch measured avoids it
-(pattern_matcher, cpp.simdlen=1, split_reductions, loop_ordering_after_fusion,
-loop_reindexing_after_fusion, inplace_buffers, allow_buffer_reuse, cpp.max_horizontal_fusion_size
-all still wrong); ``max_fusion_size=1`` (no fusion) is exact. graphzero sets it for the backward
-graphs it compiles on CPU under torch < 2.15 (the forward is exact; CUDA not measured: not
-guarded). Cost: unfused pointwise kernels in those backward graphs. A user's own ``torch.compile``
-of other code is not changed.
-
-The versions helper's ``inductor_config.py`` holds the overlap-pass pins per version; this module
-holds only correctness guards, one function.
+torch 2.13 (and 2.14: same scheduler code) CPU inductor computes wrong gradients for a diffusers
+UNet's backward, with or without graphzero: a scheduler fusion fault no narrower switch measured
+avoids; ``max_fusion_size=1`` (no fusion) is exact. So graphzero sets it for the backward graphs it
+compiles on CPU under torch < 2.15 (the forward is exact; CUDA not measured: not guarded).
 """
 from __future__ import annotations
 
 import torch
 
-# (first fixed version, device types, {config key: value}): applied while torch is older than that
-# version, to graphs on those devices.
+# (first fixed version, device types, {config key: value})
 _GUARDS = (((2, 15), ("cpu",), {"max_fusion_size": 1}),)
 
 

@@ -1,15 +1,8 @@
 """Ranks agree on what they reduce before they reduce it, and collective failures get a clear name.
 
-Every rank must issue the same collectives in the same order. A rank that recompiled (a
-rank-dependent guard), ran a frame eagerly, or reached a different graph would otherwise meet its
-peers in mismatched collectives: a hang until the process-group timeout, a gloo abort, or a silent
-mix of buckets. So before graphzero reduces anything (each compiled backward, each eager
-safety-net reduction) the ranks of the data-parallel group exchange a fingerprint of the plan
-(engines, groups, bucket ranges, collective, dtype), one int64 each; any difference is a
-`RankDisagreementError` on every rank, before the first gradient collective.
-
-A peer that raised, died or hangs shows up as a failed collective within the process group's
-timeout; `collective_failures` turns that into a `RankFaultError` naming the graph and engines.
+Before each reduction the ranks exchange one int64 fingerprint of the plan, so a rank that reached
+a different graph raises `RankDisagreementError` everywhere instead of hanging in mismatched
+collectives; a failed collective (peer raised, died, hangs) becomes a `RankFaultError`.
 """
 from __future__ import annotations
 
@@ -32,11 +25,7 @@ def fingerprint(plan: object) -> int:
 
 
 def agree(value: int, process_group: object, what: str, timeout_s: float | None = None) -> None:
-    """All-gather ``value`` over the group; raise on every rank unless all ranks hold the same one.
-
-    A peer that never arrives (it raised before this point, or its compile failed) is a
-    RankFaultError after ``timeout_s`` seconds, or the process group's own timeout when None.
-    """
+    """Raise on every rank unless all hold the same ``value`` (a missing peer: RankFaultError)."""
     world = dist.get_world_size(process_group)
     if world == 1:
         return
@@ -90,10 +79,7 @@ def _is_collective_failure(err: BaseException) -> bool:
 
 
 class ForwardWithAgreement:
-    """A compiled forward that gathers ZeRO-3 parameters: the ranks compare the gather plan before
-    it runs, as BackwardWithRuntimeInputs does for the reduction plan, so a rank that reached a
-    different graph raises RankDisagreementError instead of meeting its peers in mismatched
-    all-gathers (a hang, or a silent mix of parameters)."""
+    """A compiled forward that gathers ZeRO-3 parameters, after the ranks agree on the gather plan."""
 
     def __init__(self, compiled, plan: list[tuple], groups: list[tuple[str, object]], what: str,
                  timeout_s: float | None) -> None:

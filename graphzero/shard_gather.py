@@ -1,15 +1,8 @@
 """The ZeRO-3 parameter gather, as an autograd function of the shard.
 
-Forward: ``_c10d_functional.all_gather_into_tensor`` of this rank's shard (``world x shard``
-elements, the last shard's tail is padding), ``wait_tensor``, the first ``numel`` elements viewed
-to the parameter's shape. Backward: the full-size gradient, padded to ``world x shard``, is
-``reduce_scatter_tensor``-summed: each rank receives the SUM over ranks of its shard's gradient
-(averaging by 1/(world x gas) happens later, in fp32, by the fp32_accumulate pass).
-
-Functional collectives, not custom ops: Dynamo traces both directions into the graphs, and
-inductor's comm passes and AOT's partitioner recognise them (the release pass tags the gather for
-recomputation in backward instead of saving the full parameter). Eager calls (evaluation outside
-the compiled step) run the same collectives.
+Forward: all-gather of the shards, the first ``numel`` elements viewed to the parameter's shape.
+Backward: reduce-scatter SUM (averaging happens later, in fp32, in the fp32_accumulate pass).
+Functional collectives, so Dynamo, inductor and AOT's partitioner see them (recompute, not save).
 """
 from __future__ import annotations
 
@@ -50,15 +43,13 @@ class _GatherShardLocalGrad(torch.autograd.Function):
 
 def gather_shard(shard: torch.Tensor, numel: int, shape: tuple[int, ...], world: int,
                  group_name: str) -> torch.Tensor:
-    """The full parameter (``shape``) from every rank's ``shard``; its gradient flows back to the
-    shard as the rank-summed reduce-scatter."""
+    """The full parameter from every rank's ``shard``; its gradient is reduce-scattered back."""
     return _GatherShard.apply(shard, numel, tuple(shape), world, group_name)
 
 
 def gather_shard_local_grad(shard: torch.Tensor, proxy: torch.Tensor, numel: int, shape: tuple[int, ...],
                             world: int, group_name: str) -> torch.Tensor:
-    """The full parameter from every rank's ``shard``, its gradient this rank's own (not reduced,
-    as autograd gives a parameter no engine reduces), accumulated into ``proxy``'s ``.grad``."""
+    """The full parameter from every rank's ``shard``; its gradient, unreduced, goes to ``proxy``."""
     return _GatherShardLocalGrad.apply(shard, proxy, numel, tuple(shape), world, group_name)
 
 
@@ -77,20 +68,17 @@ class _TensorHooks(torch.autograd.Function):
 
 
 def with_tensor_hooks(full: torch.Tensor, hooks: tuple) -> torch.Tensor:
-    """``full`` whose gradient passes through ``hooks`` (a parameter's ``register_hook`` hooks, in
-    order, as autograd runs them) before the gather's reduce-scatter: what DeepSpeed eager's
-    gathered parameter gives its hooks, this rank's gradient before the reduction."""
+    """``full`` whose gradient passes through a parameter's ``register_hook`` hooks, in order, before
+    the reduce-scatter (as DeepSpeed eager's hooks see this rank's unreduced gradient)."""
     return _TensorHooks.apply(full, hooks)
 
 
 @torch.library.custom_op("graphzero::split_gathered", mutates_args=())
 def split_gathered(gathered: torch.Tensor, world: int, shard_sizes: list[int]) -> list[torch.Tensor]:
-    """A gather bucket's rows (``world`` x the members' concatenated shards) split into each
-    member's gathered tensor (``world x shard`` elements, contiguous).
+    """A gather bucket's rows split into each member's contiguous ``world x shard`` tensor.
 
-    An opaque op rather than slices and reshapes: inductor fused the copies of independent buckets
-    (two engines' first buckets: same loop sizes) into one kernel, which made every compute of the
-    forward wait for every engine's gather (bucket_gathers)."""
+    Opaque, not slices: inductor fused the copies of independent buckets (same loop sizes) into one
+    kernel, making every forward compute wait for every engine's gather."""
     grid = gathered.view(world, -1)
     outs = [gathered.new_empty(world * s) for s in shard_sizes]
     torch.split_with_sizes_copy(grid, shard_sizes, dim=1, out=[o.view(world, s) for o, s in zip(outs, shard_sizes)])

@@ -1,13 +1,8 @@
 """The torch and DeepSpeed versions graphzero is tested with, checked when graphzero is imported.
 
-graphzero relies on internals of both: AOT autograd's output descriptors and inductor's
-collective handling of the torch 2.13-2.15 lines (CI tests 2.13.0 and 2.15.0), and the ZeRO
-optimizer's partition buffers and hooks of DeepSpeed 0.19.x (``deepspeed_adapter.py``). Outside
-those lines it would fail deep inside a compile, or silently skip a gradient, so importing graphzero
-raises a :class:`VersionError` instead.
-Versions are read from the installed distributions' metadata: DeepSpeed is not imported (slow).
-A package that is not installed is not checked (DeepSpeed is imported only when an engine is used).
-Set ``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1`` to get a warning instead, e.g. to try a newer torch.
+graphzero relies on torch 2.13-2.15 and DeepSpeed 0.19.x internals; outside them import raises a
+:class:`VersionError` (``GRAPHZERO_ALLOW_UNTESTED_VERSIONS=1``: a warning). Read from distribution
+metadata; a package not installed is not checked.
 """
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ ALLOW_ENV = "GRAPHZERO_ALLOW_UNTESTED_VERSIONS"
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version: '2.13.0+cpu' -> (2, 13, 0); pre-releases and dev builds of a
-    release count as that release (a 2.13 nightly is in the 2.13 line)."""
+    """'2.13.0+cpu' -> (2, 13, 0); pre-releases and dev builds count as their release."""
     try:
         from packaging.version import InvalidVersion, Version
     except ImportError:  # packaging comes with DeepSpeed; without it, read the leading numbers
@@ -68,9 +62,8 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def check_versions(found: Mapping[str, str | None] | None = None) -> None:
-    """Raise :class:`VersionError` for the first installed package outside its tested range.
-
-    ``found`` maps a distribution name to its version (default: what is installed)."""
+    """Raise :class:`VersionError` for the first package in ``found`` (default: the installed
+    versions) outside its tested range."""
     found = installed_versions() if found is None else found
     for package, version in found.items():
         if version is None or package not in TESTED:

@@ -1,7 +1,5 @@
-"""Where an engine or an owned parameter keeps its binding: one attribute, and its reader.
-
-Its own module so that the modules a binding uses (names.py) can find bindings without importing
-base.py, which imports them.
+"""Where an engine or an owned parameter keeps its binding; its own module so that names.py finds
+bindings without importing base.py, which imports names.py.
 """
 from __future__ import annotations
 

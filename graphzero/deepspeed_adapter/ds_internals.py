@@ -22,8 +22,6 @@ def ds_attr(obj: object, attr: str):
 
 
 def _missing(obj: object, attr: str) -> InternalsError:
-    """A DeepSpeed attribute graphzero relies on is gone (renamed in another DeepSpeed version):
-    say so rather than carry on as if the feature were off."""
     return InternalsError(
         f"{type(obj).__module__}.{type(obj).__qualname__} has no attribute {attr!r}, which graphzero reads "
         f"(installed DeepSpeed {_deepspeed_version()}; graphzero is tested with the versions in graphzero/versions.py)")

@@ -1,23 +1,9 @@
 """A record of every change graphzero makes to a DeepSpeed engine, its optimizer, its module and
 its parameters, undone in reverse order on ``detach`` and on a failed ``attach``.
 
-Each change goes through one `PatchLedger` method that remembers what was there first:
-
-- ``set_attr(obj, name, value)``: whether ``name`` was an instance attribute (in
-  ``obj.__dict__``; its old object) or absent there (class-level or missing: undo deletes it
-  again). Attributes that are data descriptors on the class (``Tensor.requires_grad``, a
-  property) are read and written back through the descriptor;
-- ``pop_attr(obj, name)``: an instance attribute removed, put back on undo;
-- ``remove_hook(handle)``: a hook someone else registered (DeepSpeed's), taken out of its hook
-  dicts and put back on undo under the same id, with the same function, at the same position, so
-  the handle its owner keeps still removes it;
-- ``add_hook(handle)`` / ``post_accumulate_grad_hook(tensor, fn)``: a hook graphzero registered,
-  removed on undo (the latter also restores a tensor's hook dict that was None before);
-- ``clear_list(lst)``: a list emptied in place, refilled with the same objects on undo;
-- ``on_undo(fn, what)``: anything else (a nested ledger's ``undo``, a flag to reset).
-
-The ledger never guesses: an attribute that does not land in ``obj.__dict__`` when set (an
-``nn.Module`` parameter or submodule name) is refused, since undoing it would need another rule.
+Each change goes through one `PatchLedger` method that remembers what was there first. The ledger
+never guesses: an attribute that does not land in ``obj.__dict__`` when set (an ``nn.Module``
+parameter or submodule name) is refused, since undoing it would need another rule.
 """
 from __future__ import annotations
 
@@ -46,7 +32,7 @@ def _reorder(d: dict, order: list) -> None:
 
 
 class PatchLedger:
-    """The changes made to one engine (see the module docstring); ``undo()`` reverts them all."""
+    """The changes made to one engine; ``undo()`` reverts them all."""
 
     def __init__(self, owner: str = "") -> None:
         self.owner = owner
@@ -62,9 +48,8 @@ class PatchLedger:
         """What each recorded change was, oldest first."""
         return [what for what, _ in self._undo]
 
-    # -- attributes -----------------------------------------------------------------------------
     def set_attr(self, obj: object, name: str, value: Any) -> None:
-        """``setattr(obj, name, value)``, remembering what was there."""
+        """``setattr(obj, name, value)``, remembering what was there (through a class data descriptor)."""
         what = f"{type(obj).__name__}.{name}"
         if _class_data_descriptor(obj, name):
             old = getattr(obj, name)
@@ -75,11 +60,7 @@ class PatchLedger:
         old = d.get(name, _ABSENT)
         setattr(obj, name, value)
         if d.get(name, _ABSENT) is not value:
-            # Reaching here means a caller patched something the ledger cannot restore exactly.
-            if old is _ABSENT:
-                d.pop(name, None)
-            else:
-                d[name] = old
+            self._restore(d, name, old)
             raise TypeError(f"PatchLedger.set_attr: {what} did not become an instance attribute")
         self._undo.append((f"set {what}", lambda: self._restore(d, name, old)))
 
@@ -99,9 +80,9 @@ class PatchLedger:
         else:
             d[name] = old
 
-    # -- hooks ----------------------------------------------------------------------------------
     def remove_hook(self, handle) -> None:
-        """Remove a hook by its ``RemovableHandle``; undo puts the same entries back in place."""
+        """Remove someone else's hook by its handle; undo puts it back under the same id at the same
+        position, so the handle its owner keeps still removes it."""
         refs = (handle.hooks_dict_ref, *handle.extra_dict_ref)
         saved = [(d, list(d), d[handle.id]) for d in (r() for r in refs) if d is not None and handle.id in d]
         handle.remove()
@@ -119,8 +100,7 @@ class PatchLedger:
         return handle
 
     def post_accumulate_grad_hook(self, tensor, fn):
-        """``tensor.register_post_accumulate_grad_hook(fn)``; undo removes it and gives the tensor
-        back the hook dict it had (None when it had none)."""
+        """Register ``fn``; undo removes it and restores a hook dict that was None."""
         had = tensor._post_accumulate_grad_hooks
         handle = tensor.register_post_accumulate_grad_hook(fn)
 
@@ -132,7 +112,6 @@ class PatchLedger:
         self._undo.append((f"add post-accumulate-grad hook {handle.id}", remove))
         return handle
 
-    # -- containers and the rest ----------------------------------------------------------------
     def clear_list(self, lst: list) -> None:
         """Empty ``lst`` in place; undo refills the same list object with the same items."""
         saved = list(lst)
@@ -144,8 +123,7 @@ class PatchLedger:
         self._undo.append((what or getattr(fn, "__qualname__", repr(fn)), fn))
 
     def undo(self) -> None:
-        """Revert every recorded change, newest first, and forget them. Every step runs even if one
-        fails; the first failure is raised afterwards (with the others noted)."""
+        """Revert every change, newest first; all steps run, then the first failure is raised."""
         errors: list[tuple[str, BaseException]] = []
         while self._undo:
             what, fn = self._undo.pop()

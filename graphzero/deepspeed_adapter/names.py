@@ -1,25 +1,12 @@
 """Engine names: one per attached engine, unique in the process whatever attached it.
 
-An engine's name labels its graph placeholders, collective plans, dumps and error messages, and
-one graph can reach engines that different calls attached (a GAN's G-step graph runs through the
-discriminator the D-step graph attached), so no two attached engines may share one. The rule:
+- Unnamed: keeps its name while attached, else its last name if free, else the smallest
+  ``engineK`` never given to another engine in this process.
+- Explicit: a clash within one call is an `OwnershipError`; an earlier engine holding it is renamed
+  ``name#2`` (logged), not refused: it is usually stale, kept alive by Dynamo's caches, and each
+  rank's garbage collector must not decide a name.
 
-- An engine given without a name (a list, positional arguments) keeps the name it has while it
-  is attached. Otherwise it gets its last name back if that is free, else ``engineK`` for the
-  smallest K whose name this process has never given to another engine (nor is named explicitly
-  in the same call): a default name is never reused for a different engine.
-- An explicit name (an ``{name: engine}`` dict, a keyword of ``graphzero.attach`` /
-  ``graphzero.backend``, an Accelerate plugin's name) is the engine's name. If an engine listed
-  in the same call keeps that name, attaching raises `OwnershipError` naming both. If an engine
-  attached earlier holds it, the new engine takes it and the earlier one is renamed ``name#2``
-  (``#3``, ...; logged): that engine is usually a stale one (a notebook cell run again), which
-  Dynamo's caches can keep alive indefinitely, so refusing would turn a leak into an error; and
-  whether an unreferenced engine is still alive depends on each rank's garbage collector, which
-  must not decide a name (the ranks would compile different plans).
-
-Which names are free depends only on the calls made, the same on every rank. ``_GIVEN`` is the
-only state: every name given in this process, to the engine (weakly) that got it last. Only
-`record` (called by ``attach`` once the engines are attached) writes it.
+``_GIVEN`` (every name given, weakly to its last engine) is the only state, written by `record`.
 """
 from __future__ import annotations
 
@@ -55,10 +42,7 @@ def _describe(binding: DeepSpeedBinding) -> str:
 
 
 def assign(requests: Sequence[tuple[str, DeepSpeedBinding]]) -> tuple[list[str], list[tuple[DeepSpeedBinding, str]]]:
-    """For one attach call's ``(label, binding)`` pairs (a `DefaultName` label: no name asked
-    for): the name each gets, and the ``(binding, new name)`` of earlier engines that must give up
-    an explicit name asked for here. Raises `OwnershipError` for a clash within the call; changes
-    nothing."""
+    """Names for one attach call's ``(label, binding)`` pairs, and ``(binding, new name)`` displaced."""
     mine = {id(b.engine) for _, b in requests}
     kept = {b.name: b for label, b in requests if isinstance(label, DefaultName) and b.installed}
     explicit = [label for label, _ in requests if not isinstance(label, DefaultName)]
