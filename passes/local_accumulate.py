@@ -27,6 +27,7 @@ from torch import fx
 
 from ..ownership import ParamSet
 from ._graph import Inserter, PassContext, append_placeholder, last_in_order, output_node
+from .contract import pass_contract
 
 PASS = "local_accumulate"
 aten = torch.ops.aten
@@ -77,6 +78,7 @@ def _flush(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, buf: fx.N
                              why=f"the window's gradient of {grad.owned.qualname}, reduced once at the boundary")
 
 
+@pass_contract(requires={"grads", "buckets"}, provides={"local sums"})
 def local_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.local:
         return gm
