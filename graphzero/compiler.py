@@ -162,7 +162,8 @@ class BackwardTransform:
         dump = dump or self.dump
         dump.backward_stage("input", gm)
         if self.ownership.inputs:
-            gm = run_pipeline(gm, ctx, after_pass=dump.backward_stage, pipeline=backward_pipeline(self.gathers))
+            pipeline = backward_pipeline(self.gathers, self.opts.disable_passes)
+            gm = run_pipeline(gm, ctx, after_pass=dump.backward_stage, pipeline=pipeline)
         if self.forward_ctx is not None:
             for ps, stats in self.forward_ctx.stats.items():
                 for key, value in stats.items():

@@ -86,3 +86,14 @@ class InstallError(GraphZeroError):
 class InternalsError(GraphZeroError):
     """A torch or DeepSpeed internal graphzero relies on is missing or failed unexpectedly; the
     message names it and the installed versions."""
+
+
+class PipelineOrderError(GraphZeroError):
+    """A pass pipeline runs a pass before one that provides what it requires, or after one that
+    invalidated it (passes/contract.py); raised when the pipeline is built. ``pass_name`` and
+    ``fact`` name the pass and the missing fact."""
+
+    def __init__(self, message: str, *, pass_name: str, fact: str) -> None:
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.fact = fact

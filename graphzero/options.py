@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import OptionError
+from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, OPTIONAL_PASSES, PIPELINE, ZERO3_BACKWARD
 
 INNER_COMPILERS = ("inductor", "eager")
 COLLECTIVES = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
@@ -54,6 +55,8 @@ class Options:
         directly (an EMA loop over a saved list) is not guarded: call ``graphzero.wait_params``
         first. None (default): off, or as an earlier compile/attach of the engine set it; needs
         lean_step.
+    disable_passes: optional passes (``passes.OPTIONAL_PASSES``: ``schedule_overlap``,
+        ``write_into_bucket``) left out of the backward pipeline, for debugging; gradients are the same.
     """
 
     engines: tuple[tuple[str, Any], ...] = ()
@@ -66,6 +69,7 @@ class Options:
     fault_timeout_s: float | None = None
     lean_step: bool | None = None
     defer_param_gather: bool | None = None
+    disable_passes: tuple[str, ...] = ()
 
     @property
     def step_settings(self) -> dict[str, bool | None]:
@@ -107,10 +111,11 @@ class Options:
         if lean_step is False and defer_param_gather:
             raise OptionError("option 'defer_param_gather'=True needs option 'lean_step' (the deferred all-gather "
                               "is part of graphzero's lean optimizer step); got lean_step=False")
+        disable_passes = _parse_disable_passes(options.get("disable_passes", ()))
         return cls(engines=engines, inner=inner, bucket_size=bucket_size, collective=collective,
                    overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks,
                    fault_timeout_s=None if fault_timeout_s is None else float(fault_timeout_s),
-                   lean_step=lean_step, defer_param_gather=defer_param_gather)
+                   lean_step=lean_step, defer_param_gather=defer_param_gather, disable_passes=disable_passes)
 
 
 def _optional_bool(options: Mapping[str, Any], name: str) -> bool | None:
@@ -118,6 +123,19 @@ def _optional_bool(options: Mapping[str, Any], name: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise OptionError(f"option {name!r} must be True, False or None, got {value!r}")
     return value
+
+
+def _parse_disable_passes(names: Any) -> tuple[str, ...]:
+    if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)) \
+            or not all(isinstance(n, str) for n in names):
+        raise OptionError(f"option 'disable_passes' must be a list of pass names, got {names!r}")
+    known = {p.__name__ for p in JOINT_PIPELINE + FORWARD_PIPELINE + ZERO3_BACKWARD + PIPELINE}
+    for name in names:
+        if name not in OPTIONAL_PASSES:
+            what = "pass" if name in known else "unknown pass"
+            raise OptionError(f"option 'disable_passes': {what} {name!r} cannot be disabled; the optional "
+                              f"passes are {sorted(OPTIONAL_PASSES)}")
+    return tuple(sorted(set(names)))
 
 
 def _parse_engines(engines: Any) -> tuple[tuple[str, Any], ...]:

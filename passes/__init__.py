@@ -8,7 +8,7 @@ its `PassContext`, so it can be run on a hand-built graph without DeepSpeed or a
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from torch import fx
 
@@ -17,6 +17,7 @@ from .annotate_owner import annotate_owner
 from .bucket import bucket
 from .bucket_gathers import bucket_gathers_backward, bucket_gathers_forward
 from .bucket_shard_grads import bucket_shard_grads
+from .contract import check_pipeline, pass_contract
 from .fold_norm import fold_norm
 from .fp32_accumulate import fp32_accumulate
 from .gather import schedule_gathers_backward, schedule_gathers_forward
@@ -32,14 +33,14 @@ from .write_into_bucket import write_into_bucket
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
-# Order matters: each pass relies on what the previous ones put in the context.
-#   annotate_owner -> ctx.grads; bucket -> ctx.buckets; local_accumulate (ZeRO-1 with gas > 1, or a
-#   ZeRO-1/2 engine another graph of the same backward reaches again: keeps the gradients local and
-#   drops their buckets, or feeds the local sum to them) -> ctx.buckets, grads; insert_reduce_scatter -> ctx.reduced;
-#   fp32_accumulate -> ctx.runtime_inputs, ctx.accumulated (and drops owned grads from the outputs);
-#   fold_norm (the squared norm of each accumulated shard, for the lean step or ZeRO-3's step); schedule_overlap moves waits;
-#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum), where the waits stand;
-#   write_into_bucket (matmul gradients computed into the bucket) last: nothing after it looks for a cat.
+# Order matters: each pass relies on what the previous ones put in the context or the graph, as
+# its contract says (``@pass_contract``: the facts it requires and provides, passes/contract.py);
+# the order below is checked against the contracts at import.
+#   local_accumulate: ZeRO-1 with gas > 1, or a ZeRO-1/2 engine another graph of the same backward
+#   reaches again, keeps the gradients local and drops their buckets, or feeds the local sum to them;
+#   fold_norm: the squared norm of each accumulated shard, for the lean step or ZeRO-3's step;
+#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum) where the waits stand;
+#   write_into_bucket (matmul gradients computed into the bucket) last.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
                               fold_norm, schedule_overlap, lower_reduce_scatter, write_into_bucket)
 # release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
@@ -55,11 +56,27 @@ FORWARD_PIPELINE: tuple[Pass, ...] = (wait_params, schedule_gathers_forward, buc
 # variants that need it) and bucketed (bucket_shard_grads), all before annotate_owner reads the outputs.
 ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, sum_shard_grads,
                                     hold_shard_grads, bucket_shard_grads)
+# passes the option ``disable_passes`` may leave out (debugging): nothing requires what they provide
+OPTIONAL_PASSES = frozenset(p.__name__ for p in PIPELINE + ZERO3_BACKWARD if p.contract.optional)
+# the forward and backward graphs have what the joint pipeline gave (the partitioner copies its tags)
+_AFTER_JOINT = check_pipeline(JOINT_PIPELINE)
+check_pipeline(FORWARD_PIPELINE, _AFTER_JOINT)
 
 
-def backward_pipeline(gathers: bool) -> tuple[Pass, ...]:
-    """The backward passes; with ZeRO-3 gathers, ZERO3_BACKWARD first."""
-    return (ZERO3_BACKWARD if gathers else ()) + PIPELINE
+def backward_pipeline(gathers: bool, disabled: Collection[str] = ()) -> tuple[Pass, ...]:
+    """The backward passes, checked: with ZeRO-3 gathers, ZERO3_BACKWARD first; without the
+    optional passes named in ``disabled``."""
+    if set(disabled) - OPTIONAL_PASSES:
+        raise ValueError(f"only optional passes can be left out ({sorted(OPTIONAL_PASSES)}), got {sorted(disabled)}")
+    pipeline = tuple(p for p in (ZERO3_BACKWARD if gathers else ()) + PIPELINE
+                     if p.__name__ not in disabled)
+    check_pipeline(pipeline, _AFTER_JOINT)
+    return pipeline
+
+
+for _gathers in (False, True):   # each backward pipeline, whole and without its optional passes
+    backward_pipeline(_gathers)
+    backward_pipeline(_gathers, OPTIONAL_PASSES)
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
@@ -76,6 +93,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext,
 __all__ = [
     "FORWARD_PIPELINE",
     "JOINT_PIPELINE",
+    "OPTIONAL_PASSES",
     "PIPELINE",
     "ZERO3_BACKWARD",
     "Bucket",
@@ -90,12 +108,14 @@ __all__ = [
     "bucket_gathers_backward",
     "bucket_gathers_forward",
     "bucket_shard_grads",
+    "check_pipeline",
     "fold_norm",
     "fp32_accumulate",
     "hold_shard_grads",
     "insert_reduce_scatter",
     "local_accumulate",
     "lower_reduce_scatter",
+    "pass_contract",
     "release",
     "run_pipeline",
     "schedule_gathers_backward",

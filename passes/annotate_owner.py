@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import fx
 
 from ._graph import GradOutput, PassContext, output_node
+from .contract import pass_contract
 
 
 def _grad_of_input_index(desc) -> int | None:
@@ -17,6 +18,7 @@ def _grad_of_input_index(desc) -> int | None:
     return getattr(grad_of, "idx", None)
 
 
+@pass_contract(provides={"grads"})
 def annotate_owner(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out = output_node(gm)
     values = list(out.args[0])

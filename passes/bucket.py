@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import fx
 
 from ._graph import Bucket, GradOutput, PassContext
+from .contract import pass_contract
 
 
 def _landing(ctx: PassContext, ps, g: int) -> list[tuple[GradOutput, list[tuple[int, int]]]]:
@@ -44,6 +45,7 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+@pass_contract(requires={"grads"}, provides={"buckets"})
 def bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
         for g, group in enumerate(ps.groups):

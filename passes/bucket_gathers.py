@@ -40,6 +40,7 @@ from torch import fx
 
 from ..shard_gather import split_gathered
 from ._graph import Inserter, PassContext
+from .contract import pass_contract
 from .gather import chain_of, tagged_gathers
 
 PASS = "bucket_gathers"
@@ -172,9 +173,11 @@ def _record(gm: fx.GraphModule, ctx: PassContext, side: str, collectives: list) 
         ctx.stats[ps][key] = max(ctx.stats[ps].get(key, 0), peak)
 
 
+@pass_contract(requires={"gather waits at first use"}, provides={"gathers bucketed"})
 def bucket_gathers_forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return _bucket(gm, ctx, "fwd")
 
 
+@pass_contract(requires={"gather waits at first use"}, provides={"gathers bucketed"})
 def bucket_gathers_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return _bucket(gm, ctx, "bwd")

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, PassContext, hoist, last_in_order, shard_grad_reductions
+from .contract import pass_contract
 
 PASS = "bucket_shard_grads"
 c10d = torch.ops._c10d_functional
@@ -73,6 +74,7 @@ def _merge(gm: fx.GraphModule, ctx: PassContext, b: int, bucket: list) -> fx.Nod
     return wait
 
 
+@pass_contract(requires={"kept shard grads out"}, provides={"shard grads bucketed"}, invalidates={"grads"})
 def bucket_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     grads = shard_grad_reductions(gm, ctx)
     if not grads:

@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, Mode, PassContext, Slot, append_placeholder, output_node
+from .contract import pass_contract
 
 PASS = "fold_norm"
 aten = torch.ops.aten
@@ -55,6 +56,7 @@ def _sources(ctx: PassContext, ps) -> list | None:
     return out
 
 
+@pass_contract(requires={"accumulated"}, provides={"norm folded"})
 def fold_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for ps in ctx.ownership.param_sets:
         if ps not in ctx.folds_norm or (ctx.modes.get(ps) is Mode.KEEP and not any(g.presharded for g in ps.groups)):

@@ -34,6 +34,7 @@ from ._graph import (
     output_node,
     placeholder_target,
 )
+from .contract import pass_contract
 
 PASS = "fp32_accumulate"
 aten = torch.ops.aten
@@ -106,6 +107,8 @@ def _accumulate_presharded(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g
         ctx.accumulated_pieces[(ps, g)] = [written[k] for k in range(len(group.params))]
 
 
+@pass_contract(requires={"grads", "flat partial sums", "reduced"},
+               provides={"accumulated", "owned grads out of outputs"})
 def fp32_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     out = output_node(gm)

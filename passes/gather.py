@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from ._graph import PassContext
+from .contract import pass_contract
 
 PASS = "schedule_gathers"
 c10d = torch.ops._c10d_functional
@@ -57,9 +58,11 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+@pass_contract(requires={"gathers tagged"}, provides={"gather waits at first use"})
 def schedule_gathers_forward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return _schedule(gm, ctx)
 
 
+@pass_contract(requires={"gathers tagged"}, provides={"gather waits at first use"})
 def schedule_gathers_backward(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return _schedule(gm, ctx)

@@ -32,6 +32,7 @@ from ._graph import (
     output_node,
     shard_grad_reductions,
 )
+from .contract import pass_contract
 
 PASS = "hold_shard_grads"
 aten = torch.ops.aten
@@ -42,6 +43,8 @@ def _as(ins: Inserter, x: fx.Node, dtype: torch.dtype, ps, why: str) -> fx.Node:
     return x if x.meta["val"].dtype == dtype else ins.call(convert, (x, dtype), engine=ps.name, why=why)
 
 
+@pass_contract(requires={"one reduce-scatter per shard grad"}, provides={"kept shard grads out"},
+               invalidates={"grads"})
 def hold_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     held = {ps: mode for ps, mode in ctx.modes.items() if any(g.presharded for g in ps.groups)}
     if not held:

@@ -28,6 +28,7 @@ from torch import fx
 
 from ..ownership import ParamSet
 from ._graph import Inserter, Mode, PassContext, Slot, append_placeholder, last_in_order, output_node
+from .contract import pass_contract
 
 PASS = "local_accumulate"
 aten = torch.ops.aten
@@ -78,6 +79,7 @@ def _flush(gm: fx.GraphModule, ctx: PassContext, ps: ParamSet, g: int, buf: fx.N
                              why=f"the window's gradient of {grad.owned.qualname}, reduced once at the boundary")
 
 
+@pass_contract(requires={"grads", "buckets"}, provides={"flat partial sums"})
 def local_accumulate(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     flat = {ps: mode for ps, mode in ctx.modes.items() if not any(g.presharded for g in ps.groups)}
     if not flat:

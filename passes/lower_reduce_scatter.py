@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, PassContext
+from .contract import pass_contract
 
 PASS = "lower_reduce_scatter"
 c10d = torch.ops._c10d_functional
@@ -74,6 +75,7 @@ def _lower(gm: fx.GraphModule, ctx: PassContext, rs: fx.Node, wait: fx.Node, ran
     gm.graph.erase_node(rs)
 
 
+@pass_contract(requires={"reduced"}, provides={"reduce-scatters lowered"}, invalidates={"reduced"})
 def lower_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups = _lowered_groups(ctx)
     changed = False

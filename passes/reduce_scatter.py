@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from ._graph import Bucket, Inserter, PassContext, last_in_order
+from .contract import pass_contract
 
 PASS = "insert_reduce_scatter"
 c10d = torch.ops._c10d_functional
@@ -76,6 +77,7 @@ def _bucket_input(ins: Inserter, ctx: PassContext, b: int, bucket: Bucket, flat:
     return ins.call(aten.cat.default, (pieces,), engine=ps.name, why=f"bucket {b} input")
 
 
+@pass_contract(requires={"buckets", "flat partial sums"}, provides={"reduced", "bucket cats"})
 def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for b, bucket in enumerate(ctx.buckets):
         ps = bucket.param_set

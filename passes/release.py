@@ -27,6 +27,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._graph import PassContext
+from .contract import pass_contract
 
 PASS = "release"
 c10d = torch.ops._c10d_functional
@@ -64,6 +65,7 @@ def _kept_within_reuse_distance(gathers: list[tuple[fx.Node, tuple]]) -> set[fx.
     return kept
 
 
+@pass_contract(provides={"gathers tagged"})
 def release(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     shards = _gathered_shards(ctx, gm)
     gathers = [(n, shards[n.args[0]]) for n in gm.graph.nodes

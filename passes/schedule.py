@@ -12,8 +12,10 @@ import torch
 from torch import fx
 
 from ._graph import PassContext
+from .contract import pass_contract
 
 
+@pass_contract(requires={"reduced", "accumulated"}, provides={"waits scheduled"}, optional=True)
 def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.overlap:
         return gm

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, PassContext, last_in_order
+from .contract import pass_contract
 
 PASS = "sum_shard_grads"
 c10d = torch.ops._c10d_functional
@@ -30,6 +31,7 @@ def _is_lone_reduce(node: object) -> bool:
     return rs.target is c10d.reduce_scatter_tensor.default and len(rs.users) == 1
 
 
+@pass_contract(provides={"one reduce-scatter per shard grad"}, invalidates={"grads"})
 def sum_shard_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     changed = True
     while changed:

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, PassContext
+from .contract import pass_contract
 
 PASS = "wait_params"
 c10d = torch.ops._c10d_functional
@@ -36,6 +37,7 @@ def _owned_params(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, o
     return out
 
 
+@pass_contract(provides={"param waits"})
 def wait_params(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False

@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from ._graph import Inserter, PassContext
+from .contract import pass_contract
 
 PASS = "write_into_bucket"
 aten = torch.ops.aten
@@ -141,6 +142,8 @@ def _write_into(gm: fx.GraphModule, ctx: PassContext, cat: fx.Node) -> bool:
     return True
 
 
+@pass_contract(requires={"bucket cats", "owned grads out of outputs"},
+               invalidates={"grads", "bucket cats"}, optional=True)
 def write_into_bucket(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cats = [n for n in gm.graph.find_nodes(op="call_function", target=aten.cat.default)
             if n.meta.get("graphzero", {}).get("pass") == "insert_reduce_scatter"]

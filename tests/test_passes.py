@@ -19,7 +19,7 @@ from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTIn
 from torch._subclasses import FakeTensorMode
 
 from graphzero.ownership import FlatGroup, Ownership, ParamSet
-from graphzero.passes import PIPELINE, Mode, PassContext, Slot, run_pipeline
+from graphzero.passes import PIPELINE, Mode, PassContext, Slot, backward_pipeline, run_pipeline
 
 SHAPES = [(5, 3), (7,), (4, 4)]          # 15, 7 and 16 elements
 OFFSETS = [0, 16, 24]                    # padding after the first two, as DeepSpeed aligns them
@@ -273,10 +273,16 @@ def output_values(gm: fx.GraphModule) -> list:
     return list(next(iter(gm.graph.find_nodes(op="output"))).args[0])
 
 
-def test_matmul_gradients_are_written_into_the_bucket():
+def inserted_by(gm: fx.GraphModule, pass_name: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.meta.get("graphzero", {}).get("pass") == pass_name]
+
+
+@pytest.mark.parametrize("disabled", [(), ("write_into_bucket",)])
+def test_matmul_gradients_are_written_into_the_bucket(disabled):
     # A Linear weight's gradient is a matmul; write_into_bucket computes it in place in the bucket
     # instead of copying it in: a (6, 5) straddling both shards, b a plain gradient, c a weight
-    # used twice (mm + mm).
+    # used twice (mm + mm). Disabled (option disable_passes), the bucket is a cat of the matmuls'
+    # results, and the sink gets the same sum.
     shapes, offsets, numel = [(6, 5), (7,), (4, 4)], [0, 30, 40], 56
     fake = FakeTensorMode()
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
@@ -306,13 +312,17 @@ def test_matmul_gradients_are_written_into_the_bucket():
     out.meta["desc"] = [GradAOTOutput(grad_of=PlainAOTInput(idx=i)) for i in range(3)]
     gm = fx.GraphModule(torch.nn.Module(), graph)
     ctx = PassContext(Ownership.build(params, [ps]), fake)
-    gm = run_pipeline(gm, ctx)
+    gm = run_pipeline(gm, ctx, pipeline=backward_pipeline(False, disabled))
 
-    assert not targets(gm, aten.mm.default) and not targets(gm, aten.cat.default)
-    writes = targets(gm, aten.addmm_.default)
-    assert [w.kwargs["beta"] for w in writes] == [0, 0, 1]
-    (bucket,) = targets(gm, aten.empty.memory_format)
-    assert all(w.args[0].args[0].args[0] is bucket for w in writes)   # view(slice(bucket))
+    if disabled:
+        assert not inserted_by(gm, "write_into_bucket") and not targets(gm, aten.addmm_.default)
+        assert len(targets(gm, aten.mm.default)) == 3 and len(targets(gm, aten.cat.default)) == 1
+    else:
+        assert not targets(gm, aten.mm.default) and not targets(gm, aten.cat.default)
+        writes = targets(gm, aten.addmm_.default)
+        assert [w.kwargs["beta"] for w in writes] == [0, 0, 1]
+        (bucket,) = targets(gm, aten.empty.memory_format)
+        assert all(w.args[0].args[0].args[0] is bucket for w in writes)   # view(slice(bucket))
 
     c10d = torch.ops._c10d_functional
     (a2a,) = targets(gm, c10d.all_to_all_single.default)
@@ -331,6 +341,31 @@ def test_matmul_gradients_are_written_into_the_bucket():
     for g, offset in zip(grads, offsets):
         flat[offset:offset + g.numel()] = g.reshape(-1)
     torch.testing.assert_close(sink, flat[28:] + peer[28:])
+
+
+@pytest.mark.parametrize("disabled", [(), ("schedule_overlap",)])
+def test_schedule_overlap_disabled_waits_right_after_each_collective(disabled):
+    # schedule_overlap inserts nothing; it moves each bucket's wait to its first user. Left out, each
+    # wait stays where insert_reduce_scatter put it, and the sink gets the same sum.
+    gm, ctx, _ = build(bucket_size=16, backend="nccl")
+    gm = run_pipeline(gm, ctx, pipeline=backward_pipeline(False, disabled))
+    c10d = torch.ops._c10d_functional
+    waits = targets(gm, c10d.wait_tensor.default)
+    assert len(waits) == 3 and not inserted_by(gm, "schedule_overlap")
+    assert all(w.prev is w.args[0] for w in waits) == bool(disabled)
+    for rs in targets(gm, c10d.reduce_scatter_tensor.default):
+        rs.target = lambda x, op, world, group: x.view(world, -1)[1].clone()   # rank 1, a peer sending zeros
+    for wait in waits:
+        wait.target = lambda x: x
+    gm.recompile()
+    grads = [torch.randn(s) for s in SHAPES]
+    sink = torch.zeros(20)
+    runtime = {"sink": sink, "scale": torch.tensor(1.0)}
+    gm(*grads, *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    flat = torch.zeros(NUMEL)
+    for g, offset in zip(grads, OFFSETS):
+        flat[offset:offset + g.numel()] = g.reshape(-1)
+    torch.testing.assert_close(sink, flat[20:])
 
 
 # Run with CI set and inductor's caches off (a cache hit skips lowering): inductor then refuses an

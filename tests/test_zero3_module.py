@@ -242,6 +242,15 @@ def lora_scenario(stage: int, dump_dir: str | None = None, steps: int = 3) -> di
     owned = {n for g in binding_of(engines["actor"]).param_set.groups for n in g.names}
     adapters = {n for n, p in engines["actor"].module.named_parameters() if p.requires_grad}
     assert owned == adapters and all(".lora_" in n for n in owned), owned
+    if stage == 3:
+        # one gathering class per (class, ZeRO-3 parameter names), shared across layers and engines
+        # whether a module's parameters are owned (adapters, the critic) or frozen (a LoRA base)
+        classes: dict[tuple, set[type]] = {}
+        for m in (m for eng in engines.values() for m in eng.module.modules()):
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                names = tuple(n for n, p in m._parameters.items() if p is not None)
+                classes.setdefault((type(m).__mro__[1], names), set()).add(type(m))
+        assert len(classes) == 3 and all(len(c) == 1 for c in classes.values()), classes
     step = torch.compile(ppo_like_loss, backend="graphzero",
                          options={"engines": engines, "inner": "eager", "dump_dir": dump_dir})
     for t in range(steps):
@@ -277,3 +286,34 @@ def test_peft_lora_actor_full_critic_one_loss(ranks, stage, tmp_path):
         adapter_bytes = 4 * actor["numel"]
         assert actor["all_gather_fwd"] == 1 and actor["all_gather_bytes_fwd"] > 10 * adapter_bytes, actor
         assert actor["all_gather_bytes_bwd"] == 0, actor
+
+
+# -- gathering classes (no DeepSpeed) ---------------------------------------------------------------
+def fake_zero3(module: nn.Module) -> nn.Module:
+    """Parameters that look like ZeRO-3 ones to install(): a ``ds_tensor`` shard each."""
+    for p in module.parameters():
+        p.ds_tensor = p.detach().reshape(-1).clone()
+    return module
+
+
+def test_identical_modules_share_one_gathering_class_and_detach_restores_them():
+    from graphzero.deepspeed_adapter import zero3_module
+    from graphzero.deepspeed_adapter.ledger import PatchLedger
+    blocks = nn.Sequential(*(fake_zero3(nn.Linear(4, 4)) for _ in range(2)), fake_zero3(nn.Linear(4, 4, bias=False)),
+                           nn.Linear(4, 4))
+    blocks[1].weight.requires_grad_(False)     # frozen: decided per read, not by the class
+    other = fake_zero3(nn.Linear(4, 4))        # another engine's module, on another group
+    ledger, other_ledger = PatchLedger("blocks"), PatchLedger("other")
+    assert zero3_module.install(blocks, 2, "0", ledger) == 3
+    assert zero3_module.install(other, 4, "1", other_ledger) == 1
+    a, b, no_bias, plain = blocks
+    assert type(a) is type(b) is type(other) and type(a).__name__ == "Linear" and type(a) is not nn.Linear
+    assert type(no_bias) is not type(a) and isinstance(no_bias, nn.Linear)   # other parameter names
+    assert type(plain) is nn.Linear                                           # no ZeRO-3 parameter
+    assert a._graphzero_read is b._graphzero_read and other._graphzero_read is not a._graphzero_read
+    # outside a module call or a trace a read is the DeepSpeed parameter itself
+    assert b.weight is b._parameters["weight"] and other.bias is other._parameters["bias"]
+    other_ledger.undo()
+    ledger.undo()
+    for m in (*blocks, other):
+        assert type(m) is nn.Linear and "_graphzero_read" not in vars(m)

@@ -3,9 +3,10 @@
 DeepSpeed keeps a ZeRO-3 parameter empty (``p.numel() == 0``) with this rank's shard in
 ``p.ds_tensor``, and gathers it in per-submodule hooks. graphzero removes those hooks while it owns
 the engine. Instead, every module that holds a ZeRO-3 parameter gets its class swapped for a
-subclass (same name) with one property per parameter name, as torchtitan's SimpleFSDP does: the
-module keeps its methods, submodules, signatures (HF ``generate`` reads ``inspect.signature``) and
-instance attributes (wrapped forwards), and a read of ``module.weight``
+subclass (same name; one per module class and parameter names, shared by identical modules) with
+one property per parameter name, as torchtitan's SimpleFSDP does: the module keeps its methods,
+submodules, signatures (HF ``generate`` reads ``inspect.signature``) and instance attributes
+(wrapped forwards), and a read of ``module.weight``
 
 - while Dynamo traces (the compiled step; whatever it calls: forward, another method, a submodule,
   the attribute itself) returns ``shard_gather.gather_shard(p.ds_tensor, ...)``: the gather is in
@@ -107,11 +108,20 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
     return read
 
 
-def _gathering_class(cls: type, names: tuple[str, ...], read: Callable) -> type:
-    props = {n: property(lambda self, n=n: read(self, n)) for n in names}
-    # Same name and module, so error messages, HF's class-name lookups and repr read as before.
-    props.update(__module__=cls.__module__, __qualname__=cls.__qualname__, _graphzero_gathering=True)
-    return type(cls.__name__, (cls,), props)
+_READ_ATTR = "_graphzero_read"
+# (module class, ZeRO-3 parameter names) -> its gathering subclass: identical modules share one
+# class (torch.compile sees one class, not one per instance); what differs per engine (its group,
+# the eager depth) is the instance's reader, and owned/frozen is decided per parameter at each read
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _gathering_class(cls: type, names: tuple[str, ...]) -> type:
+    if (cls, names) not in _CLASSES:
+        props = {n: property(lambda self, n=n: getattr(self, _READ_ATTR)(self, n)) for n in names}
+        # Same name and module, so error messages, HF's class-name lookups and repr read as before.
+        props.update(__module__=cls.__module__, __qualname__=cls.__qualname__, _graphzero_gathering=True)
+        _CLASSES[(cls, names)] = type(cls.__name__, (cls,), props)
+    return _CLASSES[(cls, names)]
 
 
 def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchLedger) -> int:
@@ -126,6 +136,7 @@ def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchL
         names = tuple(n for n, p in sub._parameters.items() if p is not None and hasattr(p, "ds_tensor"))
         if names and not getattr(type(sub), "_graphzero_gathering", False):
             _share_hook_dicts(sub, names, ledger)
-            ledger.set_attr(sub, "__class__", _gathering_class(type(sub), names, read))
+            ledger.set_attr(sub, _READ_ATTR, read)
+            ledger.set_attr(sub, "__class__", _gathering_class(type(sub), names))
             swapped += 1
     return swapped
