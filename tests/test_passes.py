@@ -360,8 +360,8 @@ def test_schedule_overlap_disabled_waits_right_after_each_collective(disabled):
     gm.recompile()
     grads = [torch.randn(s) for s in SHAPES]
     sink = torch.zeros(20)
-    runtime = {"sink": sink, "scale": torch.tensor(1.0)}
-    gm(*grads, *(runtime[kind] for kind, _, _ in ctx.runtime_inputs))
+    runtime = {Slot.SINK: sink, Slot.SCALE: torch.tensor(1.0)}
+    gm(*grads, *(runtime[slot.kind] for slot in ctx.runtime_inputs))
     flat = torch.zeros(NUMEL)
     for g, offset in zip(grads, OFFSETS):
         flat[offset:offset + g.numel()] = g.reshape(-1)
