@@ -1,9 +1,9 @@
 """The ``graphzero`` torch.compile backend.
 
-Data flow: Dynamo FX graph -> ownership (graph inputs -> engine ParamSets) -> AOT autograd ->
-forward graph unchanged / backward graph through ``passes.PIPELINE`` -> inner compiler
-(inductor or eager FX) -> at run time the backward gets each engine's shard buffers appended to
-its arguments and writes the reduced, scaled fp32 shards into them.
+Data flow: Dynamo FX graph -> ownership (graph inputs -> engine layouts) -> AOT autograd -> the
+pass pipelines (passes/__init__.py) -> inner compiler (inductor or eager FX) -> the run time
+(graphzero/runtime/: each call gets each engine's shard buffers appended to its arguments, and
+the compiled backward writes the reduced, scaled fp32 shards into them). docs/architecture.md.
 """
 from __future__ import annotations
 
