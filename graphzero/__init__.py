@@ -44,16 +44,20 @@ __all__ = ["AccelerateError", "AttachTooLateError", "AutogradUsageError", "Graph
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 
 
-def attach(*engines: Any, **named_engines: Any) -> None:
+def attach(*engines: Any, lean_step: bool | None = None, defer_param_gather: bool | None = None,
+           **named_engines: Any) -> None:
     """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it.
 
     For code that cannot pass ``options={"engines": ...}`` (e.g. ``module.compile(backend="graphzero")``).
     Positional engines are named ``engine0``, ``engine1``, ... (an attached engine keeps its name;
     a new one gets the next ``engineK`` never given to another engine in this process); keyword
     ones by their keyword (an engine attached earlier under it becomes ``name#2``; logged).
+    ``lean_step`` / ``defer_param_gather``: the options of that name, set on the engines now.
     """
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
-    deepspeed_adapter.attach(pairs)
+    settings = Options.parse({"engines": engines or named_engines, "lean_step": lean_step,   # checked as options
+                              "defer_param_gather": defer_param_gather}).step_settings
+    deepspeed_adapter.attach(pairs, **settings)
     early_attach.install()
 
 
