@@ -43,11 +43,15 @@ __all__ = ["AccelerateError", "AttachTooLateError", "AutogradUsageError", "Graph
 logging.getLogger("graphzero").addHandler(logging.NullHandler())
 
 
-def attach(*engines: Any, **named_engines: Any) -> None:
+def attach(*engines: Any, lean_step: bool | None = None, defer_param_gather: bool | None = None,
+           **named_engines: Any) -> None:
     """Let graphzero own these DeepSpeed engines' parameters in every graph compiled with it, for
-    code that cannot pass ``options={"engines": ...}``. Naming: deepspeed_adapter/names.py."""
+    code that cannot pass ``options={"engines": ...}``. Naming: deepspeed_adapter/names.py.
+    ``lean_step`` / ``defer_param_gather``: the options of that name, set on the engines now."""
     pairs = Options.parse({"engines": [*engines]}).engines + Options.parse({"engines": named_engines}).engines
-    deepspeed_adapter.attach(pairs)
+    settings = Options.parse({"engines": engines or named_engines, "lean_step": lean_step,   # checked as options
+                              "defer_param_gather": defer_param_gather}).step_settings
+    deepspeed_adapter.attach(pairs, **settings)
     early_attach.install()
 
 

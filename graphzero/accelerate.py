@@ -41,7 +41,7 @@ from .accelerate_checks import (
     describe,
     is_engine,
 )
-from .deepspeed_adapter.grad_norm import current_grad_norm
+from .deepspeed_adapter.step import current_grad_norm
 from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")

@@ -44,17 +44,18 @@ class Options:
         raising RankFaultError (a peer that raised, or whose compile failed); None: the process
         group's own timeout.
     lean_step: ZeRO-1/2 engines' ``optimizer.step()`` runs graphzero's lean step (one norm
-        all-reduce, clip, fused Adam, copy, all-gather; deepspeed_adapter/lean_step.py) where the
+        all-reduce, clip, fused Adam, copy, all-gather; deepspeed_adapter/step/lean.py) where the
         config allows, DeepSpeed's own otherwise; ZeRO-3 engines keep DeepSpeed's step with its
-        clip and torch Adam call fused (deepspeed_adapter/fused_adam.py). None (default): on, or as an earlier
-        compile/attach of the engine set it; False: DeepSpeed's own step.
+        clip and torch Adam call fused (deepspeed_adapter/step/zero3_update.py). None (default): on;
+        False: DeepSpeed's own step.
     defer_param_gather: the lean step launches the all-gather of the updated parameters without
         waiting; the next graphzero forward waits for it just before first use, and module calls,
         ``state_dict``, checkpoints, ``parameters()`` of the engine and its module, ``detach`` and
         ``graphzero.wait_params`` wait too. A parameter tensor kept from before ``step()`` and read
         directly (an EMA loop over a saved list) is not guarded: call ``graphzero.wait_params``
-        first. None (default): off, or as an earlier compile/attach of the engine set it; needs
-        lean_step.
+        first. None (default): off; needs lean_step.
+    Both need ``engines``, and set theirs: the first value given sets an engine's (logged), another
+    value later is an OptionError, leaving them out changes nothing (deepspeed_adapter/step/).
     disable_passes: optional passes (``passes.OPTIONAL_PASSES``: ``schedule_overlap``,
         ``write_into_bucket``) left out of the backward pipeline, for debugging; gradients are the same.
     """
@@ -73,7 +74,7 @@ class Options:
 
     @property
     def step_settings(self) -> dict[str, bool | None]:
-        """The options that configure the engines' optimizer step (deepspeed_adapter.attach)."""
+        """The options that set the listed engines' optimizer step (deepspeed_adapter.attach)."""
         return {"lean_step": self.lean_step, "defer_param_gather": self.defer_param_gather}
 
     @classmethod
@@ -112,6 +113,10 @@ class Options:
             raise OptionError("option 'defer_param_gather'=True needs option 'lean_step' (the deferred all-gather "
                               "is part of graphzero's lean optimizer step); got lean_step=False")
         disable_passes = _parse_disable_passes(options.get("disable_passes", ()))
+        if (lean_step is not None or defer_param_gather is not None) and not engines:
+            raise OptionError("options 'lean_step' and 'defer_param_gather' set the step of the engines listed with "
+                              "them, and none are: give them where the engines are attached (options['engines'], "
+                              "graphzero.backend(...), graphzero.attach(..., lean_step=...))")
         return cls(engines=engines, inner=inner, bucket_size=bucket_size, collective=collective,
                    overlap=overlap, dump_dir=str(dump_dir) if dump_dir else None, dump_ranks=dump_ranks,
                    fault_timeout_s=None if fault_timeout_s is None else float(fault_timeout_s),

@@ -324,3 +324,56 @@ def test_engine_backward_of_a_foreign_engine_is_named(ranks):
     for message in ranks.run(foreign_engine_backward_scenario):
         assert "engine 'critic'" in message and "engine.backward()" in message, message
         assert "does not own" in message, message
+
+
+def step_settings_scenario() -> list[str]:
+    """``lean_step`` / ``defer_param_gather`` are settings of the engine: the first attach or compile
+    that gives a value sets it (an attached engine's step is chosen again); one that leaves them out
+    or gives the same value keeps the step as it is; another value later is an OptionError naming the
+    engine and the option (on every rank, nothing changed); step options without engines are refused;
+    detach and attach again to change them."""
+    from graphzero.deepspeed_adapter import binding_of
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    eng = engine(mlp(4, 8, 2), ds_config(2))
+    graphzero.attach(net=eng)
+    assert eng.optimizer.__dict__["step"].deferred is None
+
+    def compiled(options):
+        return torch.compile(lambda models, x: loss_of(models, x), backend="graphzero",
+                             options={"inner": "eager", **options})
+
+    x = data(0, rank, (4, 4))
+    lean = None
+    for options in ({"engines": {"net": eng}, "defer_param_gather": True}, {"engines": {"net": eng}}, {}):
+        compiled(options)({"net": eng}, *x).backward()
+        eng.step()
+        lean = lean or eng.optimizer.__dict__["step"]
+        assert eng.optimizer.__dict__["step"] is lean and lean.deferred is not None, options
+    graphzero.attach(eng, lean_step=True, defer_param_gather=True)   # the same values: nothing changes
+    assert eng.optimizer.__dict__["step"] is lean and binding_of(eng).step.lean_step is lean
+    messages = []
+    for make in (lambda: compiled({"engines": {"net": eng}, "lean_step": False})({"net": eng}, *x),
+                 lambda: graphzero.backend(net=eng, defer_param_gather=False),
+                 lambda: graphzero.attach(eng, defer_param_gather=False),
+                 lambda: compiled({"lean_step": True})({"net": eng}, *x)):
+        with pytest.raises(graphzero.OptionError) as info:
+            make()
+        messages.append(str(info.value))
+    assert eng.optimizer.__dict__["step"] is lean
+    graphzero.wait_params(eng)
+    graphzero.detach(eng)
+    graphzero.attach(net=eng, lean_step=False)
+    assert "step" not in eng.optimizer.__dict__ and binding_of(eng).step.reason == "option lean_step=False"
+    graphzero.detach(eng)
+    dist.barrier()
+    return messages
+
+
+def test_step_options_are_engine_settings(ranks):
+    for messages in ranks.run(step_settings_scenario):
+        for message, (option, given) in zip(messages, [("lean_step", False), ("defer_param_gather", False),
+                                                       ("defer_param_gather", False)]):
+            assert "engine 'net'" in message and f"option {option!r}" in message, message
+            assert f"{option}={given}" in message and "graphzero.detach" in message, message
+        assert "'lean_step'" in messages[3] and "engines" in messages[3], messages[3]

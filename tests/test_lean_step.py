@@ -12,10 +12,10 @@ After every optimizer step (3 or more):
 - the LR scheduler (WarmupLR) advanced to the same learning rate, ``global_steps`` equal;
 - bf16 (ZeRO-2, fp32 master weights): masters within 1e-6, bf16 parameters within one bf16 ulp;
 - fp32: each lean engine's fp32 master is its partition of the flat parameter buffer
-  (master_alias.py), DeepSpeed's own keeps a copy; ``safe_get_full_fp32_param`` reads the
+  (step/lean.py: alias_masters), DeepSpeed's own keeps a copy; ``safe_get_full_fp32_param`` reads the
   parameters' values on both; after ``detach`` the master has its own storage, same values.
 
-ZeRO-3 (``lean_step`` there fuses DeepSpeed's clip and torch Adam call, fused_adam.py): the same
+ZeRO-3 (``lean_step`` there fuses DeepSpeed's clip and torch Adam call, step/zero3_update.py): the same
 engines with and without it, 3 steps: norms rtol 1e-6, fp32 partitions and parameter shards atol
 1e-6; ``detach`` puts DeepSpeed's methods back.
 
@@ -126,7 +126,7 @@ def _partitions(eng) -> list[torch.Tensor]:
 
 def _check_master_storage(eng, aliased: bool, what: str) -> None:
     """fp32 under the lean step: each fp32 master is this rank's partition of the flat parameter
-    buffer (master_alias.py), and DeepSpeed's fp32 fragments of each parameter
+    buffer (step/lean.py: alias_masters), and DeepSpeed's fp32 fragments of each parameter
     (``safe_get_full_fp32_param``, re-made on its storage) read the parameter's values; otherwise the
     master has a storage of its own."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -178,7 +178,7 @@ def zero3_fused_vs_deepspeed_scenario(steps: int = 3) -> None:
             eng.step()
         for name, a in fused.items():
             b, what = own[name], f"step {t} {name}"
-            assert binding_of(a).fused_update is not None and binding_of(b).fused_update is None, what
+            assert binding_of(a).step.fused_update is not None and binding_of(b).step.fused_update is None, what
             assert "_optimizer_step" not in b.optimizer.__dict__, what
             norm = float(b.get_global_grad_norm())
             torch.testing.assert_close(float(a.get_global_grad_norm()), norm, rtol=1e-6, atol=0, msg=what)

@@ -1,4 +1,4 @@
-"""The lean step's source gate (lean_step.MIRRORED): the lean ZeRO-1/2 step stands in for
+"""The lean step's source gate (gate.MIRRORED): the lean ZeRO-1/2 step stands in for
 ``DeepSpeedZeroOptimizer.step()`` only while the DeepSpeed functions it re-implements are the ones it
 was written against; otherwise DeepSpeed's own step runs, with one warning naming what changed.
 
@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 
-from graphzero.deepspeed_adapter import lean_step
+from graphzero.deepspeed_adapter.step import gate
 from scenario_utils import (
     PARAM_TOL,
     Reference,
@@ -39,10 +39,9 @@ def test_recorded_fingerprints_match_deepspeed_0_19_8():
     import deepspeed
     if deepspeed.__version__ != "0.19.8":
         pytest.skip(f"fingerprints are recorded for DeepSpeed 0.19.8, not {deepspeed.__version__}")
-    assert lean_step.changed_mirrors() == []
-    from graphzero.deepspeed_adapter.fused_adam import ZERO3_MIRRORED
-    assert lean_step.changed_mirrors(ZERO3_MIRRORED) == [] and len(ZERO3_MIRRORED) == 2
-    assert UNSCALE in lean_step.MIRRORED and len(lean_step.MIRRORED) >= 10
+    assert gate.changed_mirrors() == []
+    assert gate.changed_mirrors(gate.ZERO3_MIRRORED) == [] and len(gate.ZERO3_MIRRORED) == 2
+    assert UNSCALE in gate.MIRRORED and len(gate.MIRRORED) >= 10
 
 
 def _load(tmp_path, name: str, source: str):
@@ -56,17 +55,17 @@ def _load(tmp_path, name: str, source: str):
 
 
 def test_fingerprint_sees_code_not_comments(tmp_path):
-    fp = lean_step.fingerprint
+    fp = gate.fingerprint
     plain = _load(tmp_path, "plain", "def norm(x):\n    return x * 2\n")
     commented = _load(tmp_path, "commented", "def norm(x):\n    # a comment DeepSpeed adds\n\n    return x * 2   \n")
     fixed = _load(tmp_path, "fixed", "def norm(x):\n    return x * 2.0\n")
     assert len(fp(plain)) == 64
     assert fp(plain) == fp(commented)
     assert fp(plain) != fp(fixed)
-    assert lean_step.changed_mirrors({"json:dumps": fp(plain)}) == ["json:dumps"]
-    assert lean_step.changed_mirrors({"json:no_such_function": fp(plain)}) == ["json:no_such_function"]
+    assert gate.changed_mirrors({"json:dumps": fp(plain)}) == ["json:dumps"]
+    assert gate.changed_mirrors({"json:no_such_function": fp(plain)}) == ["json:no_such_function"]
     import json
-    assert lean_step.changed_mirrors({"json:dumps": fp(json.dumps)}) == []
+    assert gate.changed_mirrors({"json:dumps": fp(json.dumps)}) == []
 
 
 def gate_scenario(mode: str, steps: int = 3) -> list[str]:
@@ -77,9 +76,9 @@ def gate_scenario(mode: str, steps: int = 3) -> list[str]:
     handler.emit = records.append
     logger = logging.getLogger("graphzero")
     logger.addHandler(handler)
-    original_table, original_unscale = dict(lean_step.MIRRORED), DeepSpeedZeroOptimizer.unscale_and_clip_grads
+    original_table, original_unscale = dict(gate.MIRRORED), DeepSpeedZeroOptimizer.unscale_and_clip_grads
     if mode == "table":
-        lean_step.MIRRORED[UNSCALE] = "0" * 64
+        gate.MIRRORED[UNSCALE] = "0" * 64
     elif mode == "source":
         def unscale_and_clip_grads(self, grad_groups_flat, total_norm):   # a DeepSpeed change graphzero has not seen
             return original_unscale(self, grad_groups_flat, total_norm)
@@ -115,8 +114,8 @@ def gate_scenario(mode: str, steps: int = 3) -> list[str]:
                     assert_params_close(eng, own[name].module, rtol=0, atol=0, what=f"{what} vs lean_step=False")
                 assert_params_close(eng, ref.models[name], **PARAM_TOL, what=f"{what} vs reference")
     finally:
-        lean_step.MIRRORED.clear()
-        lean_step.MIRRORED.update(original_table)
+        gate.MIRRORED.clear()
+        gate.MIRRORED.update(original_table)
         DeepSpeedZeroOptimizer.unscale_and_clip_grads = original_unscale
         logger.removeHandler(handler)
     return [r.getMessage() for r in records if "lean step" in r.getMessage()]

@@ -328,7 +328,8 @@ def failed_install_scenario(family: str, where: str) -> None:
     """An install that fails midway: the ledger undoes what it did, the engine is not attached, the
     error is a GraphZeroError naming the engine (the cause chained), and the engine trains as before."""
     from graphzero import deepspeed_adapter
-    from graphzero.deepspeed_adapter import lean_step, zero3
+    from graphzero.deepspeed_adapter import zero3
+    from graphzero.deepspeed_adapter.step import lean
     from graphzero.errors import GraphZeroError, InstallError
     eng, ref, dtype = _family_engines(family)
     before = _snapshot(eng)
@@ -339,7 +340,7 @@ def failed_install_scenario(family: str, where: str) -> None:
         deepspeed_adapter.detach(eng)
         restore = _fail_at((PatchLedger, "set_attr"), total // 2)
     elif where == "lean_step":       # the ZeRO-1/2 binding's last install step
-        restore = _fail_at((lean_step.LeanStep, "__init__"), 1)
+        restore = _fail_at((lean.LeanStep, "__init__"), 1)
     elif where == "zero3_collectives":   # ZeRO-3's own install, after DeepSpeed's hooks are out
         restore = _fail_at_module_function(zero3, "_no_grad", 4)
     else:

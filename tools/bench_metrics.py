@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphzero.deepspeed_adapter.lean_step import PARAM_GATHER
+from graphzero.deepspeed_adapter.step.lean import PARAM_GATHER
 
 from .bench_runner import Runner
 
@@ -173,7 +173,7 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
     ``torch.profiler`` events (``name``, ``input_shapes``, ``input_dtypes``, ``time_range``).
 
     An all-to-all is graphzero's reduce-scatter on gloo (passes/lower_reduce_scatter.py), except one
-    that starts inside the lean step's ``graphzero.param_all_gather`` range (lean_step.py: the
+    that starts inside the lean step's ``graphzero.param_all_gather`` range (deepspeed_adapter/step/lean.py: the
     parameter all-gather of a gloo pair), which is counted as the all-gather it stands for."""
     events = list(events)
     gathers = [e.time_range for e in events if getattr(e, "name", "") == PARAM_GATHER]

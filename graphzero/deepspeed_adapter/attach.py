@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..errors import NotAnEngineError, OwnershipError, UnsupportedConfigError
 from ..ownership import check_same_world
-from . import names
+from . import names, step
 from .base import DeepSpeedBinding, binding_of
 from .bf16 import BF16Binding
 from .ds_internals import _optimizer_kind, ds_attr
@@ -28,10 +28,11 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
     A name that is an `options.DefaultName` (listed without one) is a label only: the engine keeps
     its name or gets the next free ``engineK`` (names.py).
 
-    ``lean_step`` / ``defer_param_gather``: the options of that name (None keeps each engine's
-    current setting; on by default)."""
+    ``lean_step`` / ``defer_param_gather``: the options of that name (None: not given), set on each
+    engine: a value given for the first time replaces the default (an attached engine's step is
+    chosen again), one that differs from a value given before is an OptionError (step.settle)."""
     engine_cls = _deepspeed_engine_class()
-    bindings = []
+    bindings, settings = [], []
     for name, engine in engines:
         if not isinstance(engine, engine_cls):
             raise NotAnEngineError(
@@ -39,7 +40,10 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
                 "engine: pass the engine returned by deepspeed.initialize()")
         if binding_of(engine) is None:
             _check_config(name, engine)
-        bindings.append(binding_of(engine) or _binding_class(engine)(engine, name))
+        binding = binding_of(engine) or _binding_class(engine)(engine, name)
+        settings.append(step.settle(binding.settings, binding.name, lean_step=lean_step,
+                                    defer_param_gather=defer_param_gather))
+        bindings.append(binding)
     # Ownership is what each engine's optimizer updates (a parameter that requires grad but is in
     # no param group of this engine is not its to reduce).
     claimed: dict[int, str] = {}
@@ -61,14 +65,14 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
     # attached before it are detached again, so a failed attach leaves every engine as it was.
     installed: list[DeepSpeedBinding] = []
     try:
-        for name, binding in zip(final, bindings):
+        for name, binding, wanted in zip(final, bindings, settings):
+            binding.rename(name)
             if binding_of(binding.engine) is None:
-                binding.rename(name)
-                binding.configure_step(lean_step, defer_param_gather)   # the options install() sees
+                binding.configure(wanted)   # the settings install() sees
                 binding.install()
                 installed.append(binding)
-            binding.rename(name)
-            binding.configure_step(lean_step, defer_param_gather)
+        for binding, wanted in zip(bindings, settings):
+            binding.configure(wanted)   # values given for the first time: an attached engine's step anew
     except BaseException as exc:
         for binding in reversed(installed):
             try:

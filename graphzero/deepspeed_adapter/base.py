@@ -1,7 +1,7 @@
 """The DeepSpeed adapter's shared base: `DeepSpeedBinding` (hook install/uninstall, the eager
 safety net). The only package that touches DeepSpeed internals; one module per optimizer family
-(zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads, and attach.py checks
-configs and attaches engines.
+(zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads, step/ the optimizer
+step, and attach.py checks configs and attaches engines.
 
 A binding builds its engine's `ParamSet` (the flat gradient layout its ZeRO optimizer reads in
 `step()`), binds that optimizer's partition buffers as the shard sinks, and switches off
@@ -36,6 +36,8 @@ from .bound import BINDING_ATTR as _BINDING_ATTR
 from .bound import binding_of
 from .ds_internals import _deepspeed_version, _optimizer_kind, ds_attr
 from .ledger import PatchLedger
+from .step import Settings, StepInstall
+from .step import install as install_step
 
 log = logging.getLogger("graphzero")
 
@@ -65,6 +67,9 @@ class DeepSpeedBinding:
         self._logged_hooked: set[int] = set()
         # gradients the eager safety net reduced (compiled graphs deliver none): for benchmarks
         self.eager_gradients = 0
+        # the engine's step options (attach: step.settle), and what install() put in its step
+        self.settings = Settings()
+        self.step: StepInstall | None = None
         self.param_set = self._build_param_set()
         # DeepSpeed eager ZeRO-1 (DeepSpeedZeroOptimizer and BF16_Optimizer alike) reduces only at the
         # gradient-accumulation boundary (engine.allreduce_gradients); ZeRO-2 and 3 every micro-step.
@@ -97,9 +102,23 @@ class DeepSpeedBinding:
 
     def wait_params(self) -> None:
         """Wait for a deferred all-gather of this engine's parameters (only ZeRO-1/2 defers one)."""
+        if self.step is not None and self.step.sync is not None:
+            self.step.sync.wait()
 
-    def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
-        """Options ``lean_step`` / ``defer_param_gather`` (None: keep): only ZeRO-1/2 has a lean step."""
+    def configure(self, settings: Settings) -> None:
+        """The engine's step settings from now on (attach); an attached engine's step is chosen again
+        when they change."""
+        changed, self.settings = settings != self.settings, settings
+        if changed and self.installed:
+            log.info("engine %r: optimizer step settings now %s", self.name, settings)
+            self.step.choose(settings)
+            self._refold_norm()
+
+    def _refold_norm(self) -> None:
+        """A folded norm for the step just chosen where it reads one (a new one: the last is stale)."""
+        self._unfold_norm()
+        if self.step.folds_norm:
+            self._fold_norm()
 
     def rename(self, name: str) -> None:
         """The engine's name from now on (attach: names.py decides it); graphs compiled earlier keep
@@ -178,6 +197,9 @@ class DeepSpeedBinding:
         it was; anything else as an `InstallError` naming the engine)."""
         try:
             self._install(self.ledger)
+            self.ledger.on_undo(self._unfold_norm, "the folded norm")
+            self.step = install_step(self, self.ledger, self.settings)
+            self._refold_norm()
             # last: binding_of(engine) is this binding only for a complete install
             self.ledger.set_attr(self.engine, _BINDING_ATTR, self)
         except BaseException as exc:

@@ -16,9 +16,8 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
   of it (``__param_id_to_grad_partition``), which ``step()``, ``safe_get_full_grad`` and the
   checkpoint code read.
 
-The squared gradient norm is folded into the compiled backward (runtime/norm.py): ``step()``'s
-``_get_norm_groups`` reads it instead of one blocking all-reduce per param group, unless a write
-since (the eager safety net, another graph) made it stale.
+``step()`` stays DeepSpeed's, with its norm folded into the compiled backward (runtime/norm.py), its
+clip and torch Adam call fused, and its own parameter gathers coalesced (step/zero3_update.py).
 
 Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
 in the forward graph like the others, but their gathered value is saved for backward rather than
@@ -36,11 +35,10 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
-from . import fused_adam, lean_step, zero3_module
+from . import zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
-from .zero3_param_gather import coalesced_all_gather
 
 log = logging.getLogger("graphzero")
 
@@ -133,42 +131,12 @@ class Zero3Binding(DeepSpeedBinding):
         self._stale = False
         # the last sinks() listed zeros for a frozen parameter: the folded norm counts its shard
         self._frozen_listed = False
-        self.want_fused_update = True
-        # The update is re-chosen by configure_step while attached: its own ledger, undone first.
-        self._update_ledger = PatchLedger(f"engine {name!r} optimizer update")
         super().__init__(engine, name)
 
-    # -- the optimizer update -----------------------------------------------------------------
-    def configure_step(self, lean: bool | None, defer_param_gather: bool | None) -> None:
-        """``lean_step`` at ZeRO-3: DeepSpeed's step with its clip and base-optimizer call fused
-        (fused_adam.py), or False: DeepSpeed's step untouched. No deferred gather at ZeRO-3."""
-        if lean is not None:
-            self.want_fused_update = lean
-        if self.installed:
-            self._install_update()
-
     @property
-    def fused_update(self) -> fused_adam.Zero3FusedUpdate | None:
-        """The fused update standing in for the optimizer's clip and base step, if any."""
-        owner = getattr(self.engine.optimizer.__dict__.get("_optimizer_step"), "__self__", None)
-        return owner if isinstance(owner, fused_adam.Zero3FusedUpdate) else None
-
-    def _install_update(self) -> None:
-        self._update_ledger.undo()
-        if not self.want_fused_update:
-            return
-        opt = self.engine.optimizer
-        reason = fused_adam.zero3_unsupported_reason(opt)
-        changed = [] if reason is not None else lean_step.changed_mirrors(fused_adam.ZERO3_MIRRORED)
-        if changed:
-            reason = "a DeepSpeed whose " + ", ".join(changed) + " differ from 0.19.8's"
-        if reason is not None:
-            log.info("engine %r: DeepSpeed's own optimizer update (graphzero's fused update does not cover %s)",
-                     self.name, reason)
-            return
-        update = fused_adam.Zero3FusedUpdate(opt)
-        self._update_ledger.set_attr(opt, "unscale_and_clip_grads", update.unscale_and_clip_grads)
-        self._update_ledger.set_attr(opt, "_optimizer_step", update.optimizer_step)
+    def frozen_listed(self) -> bool:
+        """The last sinks() listed zeros for a frozen parameter (step/zero3_update.py)."""
+        return self._frozen_listed
 
     # -- layout and buffers -------------------------------------------------------------------
     def _process_groups(self) -> list:
@@ -319,42 +287,12 @@ class Zero3Binding(DeepSpeedBinding):
             for attr in _PARAM_COLLECTIVES:
                 ledger.set_attr(p, attr, _no_grad(getattr(p, attr)))
             ledger.post_accumulate_grad_hook(p.ds_tensor, self._accumulate_eager_shard)
-        # step()'s gather of the persistent parameters (and GatheredParameters') in one collective
-        # per group instead of one per parameter; it runs under no_grad like the wrappers above.
-        for p in module.parameters():
-            if hasattr(p, "ds_tensor"):
-                ledger.set_attr(p, "all_gather", coalesced_all_gather(p.all_gather, p))
         owned_ids = {id(p) for _, p in owned}
         for p in module.parameters():
             if hasattr(p, "ds_tensor") and id(p) not in owned_ids:
                 _give_grad_proxy(p, ledger)
         # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
-        self._install_folded_norm(ledger)
-        ledger.on_undo(self._update_ledger.undo, "the optimizer update")
-        self._install_update()
-
-    def _install_folded_norm(self, ledger: PatchLedger) -> None:
-        """Graphs compiled from now on fold the squared gradient norm into the backward
-        (runtime/norm.py); DeepSpeed's step() reads it through ``_get_norm_groups`` instead of one
-        blocking all-reduce per param group, and computes it itself whenever it is stale."""
-        opt = self.engine.optimizer
-        if ds_attr(opt, "use_muon"):   # the Muon update is normed, not the gradient
-            return
-        self._fold_norm()
-        own = opt._get_norm_groups
-
-        def norm_groups() -> list[torch.Tensor]:
-            squares = self.state.norm.take() if self.state.norm is not None else None
-            if squares is None or self._frozen_listed:
-                # DeepSpeed norms the listed zeros of a frozen parameter, not its shard
-                return own()
-            # get_grad_norm_direct's result per group: the root, inf/nan masked to -1
-            norms = squares.pow(0.5)
-            return list(norms.masked_fill(norms.isnan() | norms.isinf(), -1.0).unbind())
-
-        ledger.set_attr(opt, "_get_norm_groups", norm_groups)
-        ledger.on_undo(self._unfold_norm, "the folded norm")
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""

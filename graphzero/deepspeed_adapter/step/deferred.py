@@ -1,21 +1,19 @@
 """Materialise a ZeRO-1/2 engine's parameters on demand while their all-gather is deferred.
 
-With ``defer_param_gather`` the lean step (lean_step.py) launches the all-gather of each flat bit16
-buffer and returns; c10d registers the collective's work under the buffer's storage, so
-``_c10d_functional.wait_tensor`` on the buffer or on any parameter viewing it waits for it (and
-is a no-op once it has been waited for, or when nothing is pending). Until then the parameters
-hold this rank's updated shard and the other ranks' old values, so everything that reads them
-waits first:
+With ``defer_param_gather`` the lean step (lean.py) launches the all-gather of each flat bit16
+buffer and returns; c10d registers its work under the buffer's storage, so
+``_c10d_functional.wait_tensor`` on the buffer or on any parameter viewing it waits for it (a no-op
+once waited for, or with nothing pending). Until then the parameters hold this rank's updated shard
+and the other ranks' old values, so everything that reads them waits first:
 
 - graphzero graphs: the ``wait_params`` pass, before each parameter's first read;
-- a forward pre-hook on every submodule that holds an owned parameter waits for that module's
-  parameters: eager calls (evaluation, generation, ``engine(x)``), and graphs compiled by any
-  backend, which trace the hook (graphzero's pass folds those waits into its own);
+- a forward pre-hook on every submodule holding an owned parameter: eager calls (evaluation,
+  ``generate``, ``engine(x)``) and graphs of any backend, which trace it (the pass folds those in);
 - ``state_dict`` / ``load_state_dict`` of those modules, ``engine.save_checkpoint``,
   ``load_checkpoint``, ``module_state_dict``, ``graphzero.detach``, and the next step;
-- ``parameters()`` / ``named_parameters()`` of the engine and of its module (an EMA over
-  ``model.parameters()``, norm logging, copies): both go through ``named_parameters``, which is
-  overridden on those two instances by a bound method (Dynamo reads ``named_parameters.__func__``).
+- ``parameters()`` / ``named_parameters()`` of the engine and of its module (an EMA, norm logging):
+  both go through ``named_parameters``, overridden on those two instances by a bound method (Dynamo
+  reads ``named_parameters.__func__``).
 
 Not covered: a parameter tensor obtained before ``step()`` (or from a submodule's own
 ``parameters()``) and read directly, outside a module call, before the next forward: call
@@ -28,7 +26,7 @@ import types
 
 import torch
 
-from .ledger import PatchLedger
+from ..ledger import PatchLedger
 
 c10d = torch.ops._c10d_functional
 
@@ -68,7 +66,6 @@ class ParamSync:
             own = [p for p in module.parameters(recurse=False) if id(p) in self.owned]
             if not own:
                 continue
-
             ledger.add_hook(module.register_forward_pre_hook(_waiter(own)))
             ledger.add_hook(module.register_state_dict_pre_hook(self._wait_eager))
             ledger.add_hook(module.register_load_state_dict_pre_hook(self._wait_eager))
@@ -79,23 +76,16 @@ class ParamSync:
         for obj in (self.engine, self.engine.module):
             if "named_parameters" not in obj.__dict__:
                 ledger.set_attr(obj, "named_parameters",
-                                types.MethodType(self._waiting_named_parameters(type(obj).named_parameters), obj))
+                                types.MethodType(self._waiting(type(obj).named_parameters), obj))
 
     def _wait_eager(self, *_args, **_kwargs) -> None:
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():   # a graph waits by itself (wait_params pass, hooks)
             self.wait()
 
-    def _waiting_named_parameters(self, unbound):
-        @functools.wraps(unbound)
-        def named_parameters(module, *args, **kwargs):
-            if not torch.compiler.is_compiling():   # a graph waits by itself (wait_params pass, hooks)
-                self.wait()
-            return unbound(module, *args, **kwargs)
-        return named_parameters
-
-    def _waiting(self, method):
-        @functools.wraps(method)
-        def wrapped(*args, **kwargs):
-            self.wait()
-            return method(*args, **kwargs)
-        return wrapped
+    def _waiting(self, fn):
+        """``fn`` (a method, or an unbound ``named_parameters``) after `_wait_eager`."""
+        @functools.wraps(fn)
+        def waiting(*args, **kwargs):
+            self._wait_eager()
+            return fn(*args, **kwargs)
+        return waiting
