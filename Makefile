@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo lint test test-torch test-matrix test-parity bench clean
+.PHONY: install demo lint test test-torch test-matrix test-parity test-docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ test-matrix: install
 # `make test` runs its fixed sample). docs/reliability.md, "DeepSpeed parity suite".
 test-parity: install
 	GRAPHZERO_PARITY=full $(PY) -m pytest -q tests/test_parity.py
+
+# Every command README.md and docs/ show, run exactly as written (tests/test_doc_commands.py: the
+# examples under torchrun and accelerate launch, make demo and its dump, graphzero-compare, the UNet
+# repro; about an hour on 2 CPU cores). `make test` checks that each documented command is run by a
+# test, CI or make demo, and runs the short ones.
+test-docs: install
+	GRAPHZERO_DOC_COMMANDS=full $(PY) -m pytest -q tests/test_doc_commands.py
 
 bench: install
 	$(VENV)/bin/graphzero-compare --model mlp --stage 2 --json bench-mlp-z2.json

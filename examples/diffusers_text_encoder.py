@@ -96,18 +96,21 @@ def diffusion_loss(text_encoder, unet, noisy, timesteps, input_ids, target) -> t
 def plugin(stage: int, gas: int, bf16: bool):
     from accelerate.utils import DeepSpeedPlugin
 
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "timers": {"throughput": {"enabled": False}},
-        "steps_per_print": 10**9,
-    }
+    # Keyword arguments, then the rest of the config on the plugin's dict: not hf_ds_config=dict.
+    # Under `accelerate launch --config_file examples/accelerate_configs/*.yaml` the launch config's
+    # deepspeed_config section (zero_stage, gradient_accumulation_steps, ...) and a plugin's own
+    # config dict exclude each other: Accelerate raises "ValueError: When using
+    # `deepspeed_config_file`, the following accelerate config variables will be ignored".
+    p = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gas, gradient_clipping=CLIP)
+    cfg = p.deepspeed_config
+    cfg.pop("train_batch_size", None)  # DeepSpeed derives it from its real world size
+    cfg["train_micro_batch_size_per_gpu"] = MICRO_BATCH
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg["timers"] = {"throughput": {"enabled": False}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    return DeepSpeedPlugin(hf_ds_config=cfg)
+    return p
 
 
 def train(

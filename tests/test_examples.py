@@ -186,30 +186,14 @@ def full_params_trained(eng) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in params]
 
 
-def zero3_module_support() -> bool:
-    """Whether this graphzero keeps a ZeRO-3 module usable outside the compiled step (generate with
-    left padding, eager calls): the z3module work (issue 16 items 1-2)."""
-    import graphzero.deepspeed_adapter.zero3 as z3
-
-    return "forward" not in z3.Zero3Binding.install.__code__.co_names
-
-
-NEEDS_Z3MODULE = pytest.mark.xfail(
-    not zero3_module_support(),
-    reason="ZeRO-3 generate with left padding and eager module calls outside the compiled step need the "
-    "z3module branch (issue 16 item 1: gathers follow the module tree, signatures kept)",
-    strict=False,
-)
 PPO = {"zero2": (2, False), "zero2-lora": (2, True), "zero3": (3, False), "zero3-lora": (3, True)}
 DEFAULT_PPO = ["zero2"]
 
 
 def ppo_cases() -> list:
     cases = []
-    for case, (stage, _) in PPO.items():
+    for case in PPO:
         marks = [] if FULL or case in DEFAULT_PPO else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]
-        if stage == 3:
-            marks.append(NEEDS_Z3MODULE)
         cases.append(pytest.param(case, marks=marks))
     return cases
 

@@ -118,7 +118,7 @@ class GraphZeroRunner(DeepSpeedPlainBackward):
     name = "graphzero-inductor"
     compiled = True
     inner: ClassVar[str] = "inductor"
-    # graphzero's optimizer-step options (README): the defaults unless a variant below sets them
+    # graphzero's optimizer-step options (docs/usage.md): the defaults unless a variant below sets them
     step_options: ClassVar[dict[str, Any]] = {}
 
     def setup(self) -> None:

@@ -12,7 +12,7 @@
 # DeepCompile, FSDP2, DDP, and torch-compile-fused: plain torch.compile + AdamW(fused=True), the
 # single-process ideal, which runs at world size 1 only). The table has each runner's forward /
 # backward / optimizer-step split (CUDA events) and its ratio to the ideal ("x ideal").
-# Results: JSON under $OUT (or gpu-bench/), and a section appended to docs/benchmarks.md with the
+# Results: JSON under $OUT (or gpu-bench/), and a section appended to docs/benchmarks-history.md with the
 # command, the machine and the date. Bounded: every run has a timeout.
 #
 # A lease is short (minutes), so the timing stage can be narrowed and bounded:
@@ -64,7 +64,7 @@ for world in "${worlds[@]}"; do
   if [ "$rc" -ne 0 ] || [ "${verdict#GPU SMOKE: PASS}" = "$verdict" ]; then
     tail -n 40 "$OUTDIR/smoke-$world.log" >&2
     echo "correctness smoke failed (world size $world, exit code $rc): no timing" >&2
-    if [ "${GPU_BENCH_DRY_RUN:-0}" != 1 ]; then cat "$OUTDIR/section.md" >> docs/benchmarks.md; fi
+    if [ "${GPU_BENCH_DRY_RUN:-0}" != 1 ]; then cat "$OUTDIR/section.md" >> docs/benchmarks-history.md; fi
     exit 1
   fi
 done
@@ -94,6 +94,6 @@ for case in "${cases[@]}"; do
 done
 rm -f "$OUTDIR/case.log"
 if [ "${GPU_BENCH_DRY_RUN:-0}" != 1 ]; then
-  cat "$OUTDIR/section.md" >> docs/benchmarks.md
+  cat "$OUTDIR/section.md" >> docs/benchmarks-history.md
 fi
 echo "wrote $OUTDIR/section.md"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that has its own CUDA torch but reaches no package index (the lent H200
-# of docs/benchmarks.md "GPU check"): graphzero, DeepSpeed and what DeepSpeed needs beyond such an
+# of docs/benchmarks-history.md "GPU check"): graphzero, DeepSpeed and what DeepSpeed needs beyond such an
 # image (pydantic and friends, hjson) plus tabulate, for its Python (default 3.12), into .whl/.
 #
 #   tools/gpu_wheels.sh [PYTHON_VERSION]      # here, from the repository root, with `make install` done

@@ -8,7 +8,7 @@ fp32 partition. This step does the same arithmetic on each param group's flat fp
 1. every group's squared gradient norm (DeepSpeed's formula: each parameter's piece of the
    partition normed in fp64, padding excluded, summed; inf/NaN masked to -1; groups combined with
    an L2 norm; norm.root): computed in the compiled backward and all-reduced asynchronously right
-   after it (norm_fold.py), or, where that is not the norm of the current shards, one blocking
+   after it (runtime/norm.py), or, where that is not the norm of the current shards, one blocking
    all-reduce here. An invalid norm is an overflow, as in DeepSpeed's step, which is why the
    separate overflow all-reduce can go: a non-finite gradient always makes the norm invalid, and
    for fp32/bf16 (no dynamic loss scale) nothing else reads the flag;

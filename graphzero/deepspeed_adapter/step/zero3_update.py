@@ -4,7 +4,7 @@
   `unsupported_reason` and the gate (gate.ZERO3_MIRRORED) allow: the clip's divisor
   (norm.clip_divisor) is kept, and torch's fused Adam (adam.py) divides by it as it reads each gradient;
 - `read_folded_norm`: ``_get_norm_groups`` returns the norm folded into the compiled backward
-  (norm_fold.py), not one blocking all-reduce per param group, or DeepSpeed's where it is stale;
+  (runtime/norm.py), not one blocking all-reduce per param group, or DeepSpeed's where it is stale;
 - `coalesce_gathers`: DeepSpeed's own gathers outside graphzero's graphs (``step()``'s of the
   ``ds_persist`` parameters, ``GatheredParameters``, checkpoints) run one all-gather per parameter
   (on gloo a round each: 10 ms of a 26 ms ``step()`` for the mlp's 12 biases, tools/profile_step.py). A
