@@ -1,18 +1,15 @@
-"""An attached engine's optimizer step. `install` is the one call a binding makes (base.py, at attach,
-after its own changes): it picks the step for the engine's `Settings` (`StepInstall.choose`, again
-when an attach changes them), logs why where DeepSpeed's own stays, and records every change in
-ledgers that detach undoes:
+"""An attached engine's optimizer step. `install` (called by base.py at attach) picks the step for
+the engine's `Settings` (`StepInstall.choose`, again when an attach changes them), logs why where
+DeepSpeed's own stays, and records every change in ledgers that detach undoes:
 
-- ZeRO-1/2: graphzero's lean step (lean.py) as ``optimizer.step`` where the config allows and the
-  DeepSpeed functions it mirrors are unchanged (gate.py), reading the norm folded into the backward;
-  with ``defer_param_gather`` it leaves its parameter all-gather in flight, and every reader of the
-  parameters waits for it (deferred.py: installed either way, no-ops with nothing in flight);
-- ZeRO-3: DeepSpeed's step, its clip and torch Adam call fused, its norm read from the backward, its
-  own parameter gathers coalesced (zero3_update.py); BF16_Optimizer: DeepSpeed's step.
+- ZeRO-1/2: the lean step (lean.py) where the config allows and the mirrored DeepSpeed functions are
+  unchanged (gate.py); with ``defer_param_gather`` its all-gather stays in flight and every reader of
+  the parameters waits for it (deferred.py, installed either way);
+- ZeRO-3: DeepSpeed's step with graphzero's fused update, folded norm and coalesced gathers
+  (zero3_update.py); BF16_Optimizer: DeepSpeed's step.
 
-DeepSpeed's norm root and clip divisor are written once (norm.py), torch's fused Adam update too
-(adam.py). `Settings` belong to the engine: the first attach (or compile) that gives a value sets it,
-another value later is an OptionError, leaving them out changes nothing (`settle`).
+`Settings` belong to the engine: the first attach or compile that gives a value sets it, a different
+value later is an OptionError, leaving one out changes nothing (`settle`).
 """
 from __future__ import annotations
 
@@ -42,9 +39,7 @@ class Settings:
 
 
 def settle(current: Settings, engine: str, **given: bool | None) -> Settings:
-    """An engine's settings after an attach (or a compile's) that gives ``given`` (None: not given):
-    a value given for the first time replaces the default; one that differs from a value given
-    before is refused, so that compiles cannot switch an engine's step back and forth."""
+    """An engine's settings after an attach or compile that gives ``given`` (None: not given)."""
     given = {k: v for k, v in given.items() if v is not None}
     for option, value in given.items():
         if option in current.given and value != getattr(current, option):
@@ -58,8 +53,8 @@ def settle(current: Settings, engine: str, **given: bool | None) -> Settings:
 
 @dataclasses.dataclass
 class StepInstall:
-    """What `install` put in place for one engine (its binding's ``step``): the step `choose` picks is
-    in a ledger of its own, undone when it chooses again (other settings) and on detach."""
+    """What `install` put in place for one engine (its binding's ``step``); the chosen step has a
+    ledger of its own."""
 
     binding: Any
     ledger: PatchLedger
@@ -99,8 +94,7 @@ class StepInstall:
 
 
 def install(binding, ledger: PatchLedger, settings: Settings) -> StepInstall:
-    """At attach, through ``ledger``: what stays until detach (the deferred-gather waits, ZeRO-3's norm
-    reader and coalesced gathers), and the step for ``settings`` in a ledger of its own."""
+    """At attach: what stays until detach (through ``ledger``), then the step for ``settings``."""
     step = StepInstall(binding, PatchLedger(f"engine {binding.name!r} optimizer step"))
     ledger.on_undo(step.ledger.undo, "the optimizer step")
     engine = binding.engine

@@ -1,13 +1,9 @@
 """torch Adam/AdamW's update on one flat fp32 partition, through torch's fused kernel.
 
-DeepSpeed runs its base optimizer on each param group's flat fp32 partition (ZeRO-3: each
-sub-group's). A ``torch.optim.Adam``/``AdamW`` built the way DeepSpeed's ``torch_adam`` builds it
-takes torch's per-tensor for-loop path, which on CPU makes about ten passes over the partition;
-``torch._fused_adam_``/``_fused_adamw_`` makes one, and takes the clip's divisor as its
-``grad_scale``, which saves DeepSpeed's separate ``mul_`` pass. The state tensors are the
-optimizer's own, created as torch creates them, so DeepSpeed's own step and checkpoints find them.
-The fused kernel rounds differently from the for-loop path by about 1 ulp per step. `update` serves
-the ZeRO-1/2 lean step (lean.py) and the ZeRO-3 fused update (zero3_update.py).
+DeepSpeed's ``torch_adam`` base optimizer takes torch's per-tensor for-loop path, about ten passes
+over the partition on CPU; ``torch._fused_adam_``/``_fused_adamw_`` makes one and takes the clip's
+divisor as its ``grad_scale``. It rounds differently from the for-loop path by about 1 ulp per step.
+Serves the lean step (lean.py) and the ZeRO-3 fused update (zero3_update.py).
 """
 from __future__ import annotations
 

@@ -1,23 +1,20 @@
 """Materialise a ZeRO-1/2 engine's parameters on demand while their all-gather is deferred.
 
-With ``defer_param_gather`` the lean step (lean.py) launches the all-gather of each flat bit16
-buffer and returns; c10d registers its work under the buffer's storage, so
-``_c10d_functional.wait_tensor`` on the buffer or on any parameter viewing it waits for it (a no-op
-once waited for, or with nothing pending). Until then the parameters hold this rank's updated shard
-and the other ranks' old values, so everything that reads them waits first:
+With ``defer_param_gather`` the lean step leaves the all-gather of each flat bit16 buffer in flight;
+c10d registers it under the buffer's storage, so ``_c10d_functional.wait_tensor`` on the buffer or
+any parameter viewing it waits for it (a no-op with nothing pending). Everything that reads the
+parameters waits first:
 
-- graphzero graphs: the ``wait_params`` pass, before each parameter's first read;
-- a forward pre-hook on every submodule holding an owned parameter: eager calls (evaluation,
-  ``generate``, ``engine(x)``) and graphs of any backend, which trace it (the pass folds those in);
+- graphzero graphs: the ``wait_params`` pass;
+- a forward pre-hook on every submodule holding an owned parameter (eager calls, and graphs of any
+  backend, which trace it);
 - ``state_dict`` / ``load_state_dict`` of those modules, ``engine.save_checkpoint``,
   ``load_checkpoint``, ``module_state_dict``, ``graphzero.detach``, and the next step;
-- ``parameters()`` / ``named_parameters()`` of the engine and of its module (an EMA, norm logging):
-  both go through ``named_parameters``, overridden on those two instances by a bound method (Dynamo
-  reads ``named_parameters.__func__``).
+- ``parameters()`` / ``named_parameters()`` of the engine and its module, through a bound
+  ``named_parameters`` on those two instances (Dynamo reads ``named_parameters.__func__``).
 
-Not covered: a parameter tensor obtained before ``step()`` (or from a submodule's own
-``parameters()``) and read directly, outside a module call, before the next forward: call
-``graphzero.wait_params(engine)`` first, or set ``defer_param_gather=False``.
+Not covered: a parameter tensor obtained before ``step()`` and read outside a module call before
+the next forward: call ``graphzero.wait_params(engine)`` first, or set ``defer_param_gather=False``.
 """
 from __future__ import annotations
 
@@ -35,11 +32,10 @@ _ENGINE_METHODS = ("save_checkpoint", "load_checkpoint", "module_state_dict")
 
 
 def _waiter(own: list[torch.nn.Parameter]):
-    """A forward pre-hook waiting for ``own``'s deferred all-gathers. Traced by Dynamo too (a graph
-    of any backend gets these waits). ``own`` is a closure variable, not a default: Dynamo caches
-    each traced function's defaults in a WeakKeyDictionary keyed by the function, and a default
-    reaching the function back (parameter -> binding -> engine -> module -> hook) would keep the
-    engine alive for the rest of the process."""
+    """A forward pre-hook waiting for ``own``'s deferred all-gathers. ``own`` is a closure variable,
+    not a default: Dynamo caches traced functions' defaults in a WeakKeyDictionary keyed by the
+    function, and a default reaching the function back (parameter -> binding -> engine -> module ->
+    hook) would keep the engine alive for the rest of the process."""
 
     def wait_own(*_args):
         for p in own:

@@ -1,9 +1,7 @@
 """The source-fingerprint gate: graphzero's steps stand in for DeepSpeed functions only while those
-have the source they were written against. Each table maps ``module:qualname`` to the `fingerprint`
-of its source in DeepSpeed 0.19.8; at attach `changed_mirrors` recomputes them, and any difference (a
-DeepSpeed fix the copy would miss) keeps DeepSpeed's own step, with a warning (__init__.py).
-Recompute with ``python -m graphzero.deepspeed_adapter.step.gate`` after checking a new DeepSpeed's
-versions of these against lean.py and zero3_update.py.
+have the source they were written against (each table: ``module:qualname`` to the `fingerprint` of
+its source in DeepSpeed 0.19.8). Recompute with ``python -m graphzero.deepspeed_adapter.step.gate``
+after checking a new DeepSpeed's versions against lean.py and zero3_update.py.
 """
 from __future__ import annotations
 

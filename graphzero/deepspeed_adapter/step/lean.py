@@ -1,51 +1,32 @@
 """A lean ``DeepSpeedZeroOptimizer.step()`` (ZeRO-1/2) for the common configs.
 
-DeepSpeed's own ``step()`` (``stage_1_and_2.py``) spends most of its time outside the arithmetic:
-a separate overflow all-reduce, one norm all-reduce per param group, per-tensor Python loops,
-timers, and ``torch.optim.AdamW``'s for-loop path, which on CPU makes about ten passes over the
-fp32 partition. This step does the same arithmetic on each param group's flat fp32 partition:
+DeepSpeed's own ``step()`` spends most of its time outside the arithmetic (a separate overflow
+all-reduce, one norm all-reduce per param group, per-tensor Python loops, timers). This step does
+the same arithmetic on each param group's flat fp32 partition:
 
-1. every group's squared gradient norm (DeepSpeed's formula: each parameter's piece of the
-   partition normed in fp64, padding excluded, summed; inf/NaN masked to -1; groups combined with
-   an L2 norm; norm.root): computed in the compiled backward and all-reduced asynchronously right
-   after it (runtime/norm.py), or, where that is not the norm of the current shards, one blocking
-   all-reduce here. An invalid norm is an overflow, as in DeepSpeed's step, which is why the
-   separate overflow all-reduce can go: a non-finite gradient always makes the norm invalid, and
-   for fp32/bf16 (no dynamic loss scale) nothing else reads the flag;
-2. the clip, with DeepSpeed's divisor ``max(1, (norm + 1e-6) / clip)`` (norm.clip_divisor);
-3. the update: ``torch.optim.Adam``/``AdamW`` through torch's fused kernel on the optimizer's own
-   state (adam.py), with the clip's divisor as the kernel's ``grad_scale``: it divides each
-   gradient as it reads it (and stores the clipped gradient back, as DeepSpeed's in-place clip
-   leaves it), which saves DeepSpeed's separate ``mul_`` pass over the partition (0.3 ms of 2.0 per
-   engine and step on the gan's 3 MiB shards, CPU); DeepSpeed's ``FusedAdam`` gets DeepSpeed's
-   in-place ``mul_`` and runs its own ``step()``;
-4. the copy into the bit16 partition (none where the master is that partition: `alias_masters`)
-   and one all-gather of each group's flat bit16 buffer, with ``defer_param_gather`` left in
-   flight (registered with c10d under the buffer's storage, so a ``wait_tensor`` on any parameter
-   waits for it: deferred.py, the ``wait_params`` pass). On a gloo pair of ranks the all-gather is
-   an all-to-all, each rank sending its partition straight into the other's flat buffer: gloo's
-   all-gather stages input and output through buffers of its own and took 2.2-2.7x as long for the
-   gan's 5-6 MiB buffers (docs/benchmarks.md, seventh pass).
+1. the norm (DeepSpeed's formula, norm.root), folded into the compiled backward (runtime/norm.py)
+   or one blocking all-reduce here. An invalid norm is an overflow, so the overflow all-reduce can
+   go: a non-finite gradient always invalidates the norm, and for fp32/bf16 nothing else reads it;
+2. the clip divisor (norm.clip_divisor), taken by the fused Adam kernel as its ``grad_scale``
+   (adam.py), which saves DeepSpeed's ``mul_`` pass (0.3 ms of 2.0 per engine and step on the gan's
+   3 MiB shards, CPU); DeepSpeed's ``FusedAdam`` gets the in-place ``mul_`` and its own ``step()``;
+3. the copy into the bit16 partition (none where `alias_masters` applies) and one all-gather of
+   each group's flat bit16 buffer, left in flight with ``defer_param_gather`` (deferred.py). On a
+   gloo pair of ranks it is an all-to-all into the other's flat buffer: gloo's all-gather stages
+   through buffers of its own and took 2.2-2.7x as long for the gan's 5-6 MiB buffers
+   (docs/benchmarks.md, seventh pass).
 
-Everything DeepSpeed reads afterwards stays DeepSpeed's: ``_global_grad_norm``, ``overflow``, the
-base optimizer's state and param groups (checkpoints load either way), the LR scheduler and the
-step counters (``engine.step()`` does that bookkeeping around this call). Numerics: the same norm
-and clip divisor; dividing by it rather than multiplying by its inverse and the fused kernel round
-differently from DeepSpeed's path by about 1 ulp per step (1e-7 relative). Configs this does not
-cover (`unsupported_reason`) and a DeepSpeed whose mirrored functions changed (gate.py) keep
-DeepSpeed's own ``step()``.
+Everything DeepSpeed reads afterwards (``_global_grad_norm``, ``overflow``, the base optimizer's
+state, the LR scheduler, step counters) stays DeepSpeed's. Results differ from DeepSpeed's path by
+about 1 ulp per step (1e-7 relative). Unsupported configs (`unsupported_reason`) and changed
+mirrored functions (gate.py) keep DeepSpeed's ``step()``.
 
-With fp32 parameters DeepSpeed holds each group's partition twice, in the flat parameter buffer
-(``parallel_partitioned_bit16_groups[i][rank]``, which the parameters view) and as the fp32 master
-(``single_partition_of_fp32_groups[i]``), copied after every update. `alias_masters` makes the
-master's ``.data`` that partition: the update writes the parameters, the copy is skipped (0.65 ms
-per engine and step on the gan's 3 MiB partitions, CPU), each rank holds one partition less. The
-master object, the state keyed by it, checkpoints and DeepSpeed's own ``step()`` are unchanged; the
-``_hp_mapping`` fragments (``safe_get_full_fp32_param``) are re-made on the new storage. By design a
-parameter changed in place between steps (``module.load_state_dict``) changes this rank's master
-with it (DeepSpeed would overwrite the change); where the two differ when the alias is made, the
-parameters' values are kept. Undone on detach; a DeepSpeed call that moves the master
-(``offload_states``) ends the alias, and the lean step then copies as DeepSpeed does (`aliased`).
+With fp32 parameters DeepSpeed holds each partition twice: in the flat parameter buffer (which the
+parameters view) and as the fp32 master, copied after every update. `alias_masters` makes the
+master's ``.data`` that partition, which skips the copy (0.65 ms per engine and step on the gan's
+3 MiB partitions, CPU). A parameter changed in place between steps (``module.load_state_dict``)
+then changes the master too (DeepSpeed would overwrite the change). A DeepSpeed call that moves
+the master (``offload_states``) ends the alias, and the step copies again (`aliased`).
 """
 from __future__ import annotations
 
@@ -112,8 +93,7 @@ class LeanStep:
 
     def __init__(self, optimizer, state, deferred=None) -> None:
         self.opt = optimizer
-        # the engine's run-time state (graphzero/runtime/state.py): its name and folded norm (read per
-        # step: the squares the compiled backward computed and already all-reduced)
+        # the engine's run-time state (runtime/state.py): its name and folded norm
         self.state = state
         # a ParamSync: leave the all-gather in flight, wait through it; None: wait here
         self.deferred = deferred
@@ -165,9 +145,7 @@ class LeanStep:
 
     # -- the pieces -----------------------------------------------------------------------------
     def global_norm(self) -> torch.Tensor:
-        """DeepSpeed's ``scaled_global_norm`` of the gradients in ``averaged_gradients``, with one
-        all-reduce for all groups, or none where the compiled backward folded the squares in
-        (graphzero/runtime/norm.py; taking them leaves the next call the blocking way)."""
+        """DeepSpeed's ``scaled_global_norm``: the folded squares, else one all-reduce for all groups."""
         folded = self.state.norm
         squares = folded.take() if folded is not None else None
         norms = root(squares if squares is not None else self._blocking_squares())
@@ -192,8 +170,7 @@ class LeanStep:
     def _update(self, i: int, fp32: torch.Tensor, grad: torch.Tensor, divisor: torch.Tensor | None) -> None:
         opt = self.opt
         if not self.torch_adam:
-            # DeepSpeed's FusedAdam: its own fused kernel and its own state layout; the clip first,
-            # in place, as DeepSpeed does it.
+            # DeepSpeed's FusedAdam: its own kernel and state layout; the clip in place first
             if divisor is not None:
                 grad.mul_(1.0 / divisor)
             fp32.grad = grad
@@ -213,8 +190,7 @@ class LeanStep:
                 continue
             group, rank = opt.real_dp_process_group[i], self.rank[i]
             partitions = opt.parallel_partitioned_bit16_groups[i]
-            # the profiler label tells a trace (and graphzero-compare's byte count) that this
-            # all-to-all is a gather, not a reduction
+            # the label tells a trace (and graphzero-compare's byte count) this is a gather
             with allow_inflight_collective_as_graph_input_ctx(defer), torch.profiler.record_function(PARAM_GATHER):
                 if self.pairwise[i]:
                     # rank 0 sends [nothing to itself, all to rank 1]; rank 1 the mirror image
@@ -277,9 +253,8 @@ def _unalias(opt, groups: list[int]) -> None:
 
 
 def _repoint_fragments(opt, groups: list[int]) -> None:
-    """Each parameter's fp32 fragment (``_hp_mapping.hp_fragment``, a narrow of the master that
-    ``safe_get_full_fp32_param`` reads) re-made on the master's current storage, in the same
-    mapping object."""
+    """Each parameter's ``_hp_mapping.hp_fragment`` (``safe_get_full_fp32_param``) re-made on its
+    master's current storage."""
     for i in groups:
         master = opt.single_partition_of_fp32_groups[i]
         for param in opt.bit16_groups[i]:

@@ -1,9 +1,7 @@
-"""DeepSpeed's gradient-norm root and clip divisor, written once for every step graphzero installs,
-and `current_grad_norm`: the norm an engine's next ``step()`` will report, before that step (DeepSpeed
-computes it inside ``step()``; Accelerate's ``clip_grad_norm_`` asks in between), from the reduced
-gradients in the optimizer's buffers with the function the step will use, so that it equals that
-step's ``get_global_grad_norm()``. A collective over the engine's data-parallel group (call it on
-every rank); it changes nothing.
+"""DeepSpeed's gradient-norm root and clip divisor, shared by every step graphzero installs, and
+`current_grad_norm`: the norm an engine's next ``step()`` will report, computed before it (for
+Accelerate's ``clip_grad_norm_``) with the function that step uses. A collective over the
+engine's data-parallel group; it changes nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ def root(squares: torch.Tensor) -> torch.Tensor:
 def clip_divisor(opt, norm, device: torch.device) -> torch.Tensor | None:
     """What ``unscale_and_clip_grads`` divides the gradients by, computed with its operations:
     ``max(1, (norm / loss_scale + 1e-6) / clip) * loss_scale`` (the loss scale alone without a clip);
-    None where that is 1. The fused Adam kernel takes it as its ``grad_scale`` (adam.py)."""
+    None where that is 1."""
     combined = opt.loss_scale
     if opt.clip_grad > 0.0:
         clip = ((norm / opt.loss_scale) + 1e-6) / opt.clip_grad

@@ -1,16 +1,15 @@
 """ZeRO-3: DeepSpeed's ``step()`` stays, with graphzero's pieces in it (installed by __init__.py).
 
-- `Zero3FusedUpdate` stands in for ``unscale_and_clip_grads`` and ``_optimizer_step`` where
-  `unsupported_reason` and the gate (gate.ZERO3_MIRRORED) allow: the clip's divisor
-  (norm.clip_divisor) is kept, and torch's fused Adam (adam.py) divides by it as it reads each gradient;
+- `Zero3FusedUpdate` replaces ``unscale_and_clip_grads`` and ``_optimizer_step``: torch's fused
+  Adam (adam.py) divides by the clip divisor (norm.clip_divisor) as it reads each gradient;
 - `read_folded_norm`: ``_get_norm_groups`` returns the norm folded into the compiled backward
-  (runtime/norm.py), not one blocking all-reduce per param group, or DeepSpeed's where it is stale;
-- `coalesce_gathers`: DeepSpeed's own gathers outside graphzero's graphs (``step()``'s of the
-  ``ds_persist`` parameters, ``GatheredParameters``, checkpoints) run one all-gather per parameter
-  (on gloo a round each: 10 ms of a 26 ms ``step()`` for the mlp's 12 biases, tools/profile_step.py). A
-  parameter's ``all_gather`` instead gathers the pending shards in one collective per process group
-  and dtype, leaving each parameter its own ``param.data``, AVAILABLE, as DeepSpeed's blocking path
-  does; prefetch calls, quantized shards, a group of one parameter and one rank go to DeepSpeed's.
+  (runtime/norm.py), not one blocking all-reduce per param group;
+- `coalesce_gathers`: DeepSpeed's own gathers outside graphzero's graphs (``ds_persist`` parameters
+  in ``step()``, ``GatheredParameters``, checkpoints) run one all-gather per parameter (on gloo a
+  round each: 10 ms of a 26 ms ``step()`` for the mlp's 12 biases, tools/profile_step.py). These
+  gather the pending shards in one collective per process group and dtype, each parameter getting
+  its own ``param.data``; prefetch, quantized shards, and single-parameter or single-rank groups
+  go to DeepSpeed's.
 """
 from __future__ import annotations
 
