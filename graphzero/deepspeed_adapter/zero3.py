@@ -5,24 +5,15 @@ DeepSpeed keeps each parameter empty (``p.numel() == 0``) and this rank's shard 
 
 - DeepSpeed's ZeRO-3 module hooks (fetch/release before and after each submodule, pre/post
   backward) and its gradient hooks are removed; ``detach`` re-installs them;
-- every module holding a ZeRO-3 parameter (owned or frozen) reads it through a property that
-  gathers it from the shards (``zero3_module``, SimpleFSDP's design): Dynamo traces the gather
-  wherever the compiled step reads the parameter (forward, another method, a submodule) and its
-  reduce-scatter backward into the backward graph; eager calls (evaluation, ``generate``) see the
-  current parameters and leave nothing gathered; methods, signatures and instance attributes stay;
-- each shard requires grad, so the compiled backward returns its reduced shard gradient, which the
-  fp32_accumulate pass adds (x 1/(world x gas)) into the optimizer's ``grad_partitions_flat_buffer``
-  region of that param group; ``averaged_gradients[i]`` lists DeepSpeed's own per-parameter views
-  of it (``__param_id_to_grad_partition``), which ``step()``, ``safe_get_full_grad`` and the
-  checkpoint code read.
+- every module holding a ZeRO-3 parameter reads it through a property that gathers it from the
+  shards (zero3_module.py, SimpleFSDP's design), so Dynamo traces the gather and its reduce-scatter
+  backward wherever the compiled step reads the parameter;
+- each shard requires grad: the compiled backward returns its reduced shard gradient, which the
+  fp32_accumulate pass adds into the group's region of ``grad_partitions_flat_buffer``;
+  ``averaged_gradients[i]`` lists DeepSpeed's own per-parameter views of it.
 
-``step()`` stays DeepSpeed's, with its norm folded into the compiled backward (runtime/norm.py), its
-clip and torch Adam call fused, and its own parameter gathers coalesced (step/zero3_update.py).
-
-Parameters below ``stage3_param_persistence_threshold`` (DeepSpeed keeps them gathered) are gathered
-in the forward graph like the others, but their gathered value is saved for backward rather than
-gathered again (``FlatGroup.persistent``, read by the release pass); DeepSpeed's own copy stays as it
-manages it.
+Parameters below ``stage3_param_persistence_threshold`` are gathered in the forward graph like the
+others, but their gathered value is saved for backward (``FlatGroup.persistent``, the release pass).
 """
 from __future__ import annotations
 
@@ -69,13 +60,9 @@ def check_zero3_config(engine, unsupported) -> None:
 
 
 def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
-    """Free DeepSpeed's ZeRO-3 reduce bucket while attached; allocate it again on detach.
-
-    The bucket (``reduce_bucket_size`` elements per gradient dtype, allocated at init: 1.9 GiB in
-    fp32 at the default 5e8, per engine) is filled only by the gradient hooks that attach removes;
-    graphzero reduces in its graphs. Its contents are scratch between two reductions, so detach
-    allocates it empty, as DeepSpeed's own ``offload_states`` / ``reload_states`` do. Not through
-    ``ledger.set_attr``: the ledger would keep the old buffer alive."""
+    """Free DeepSpeed's ZeRO-3 reduce bucket (1.9 GiB in fp32 at the default 5e8, per engine; only
+    the removed gradient hooks fill it) while attached; allocate it empty on detach, as
+    ``reload_states`` does. Not ``ledger.set_attr``: the ledger would keep the old buffer alive."""
     buffer = bucket.buffer
     if buffer is None:
         return
@@ -89,14 +76,9 @@ def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
 
 
 def _give_grad_proxy(p: torch.nn.Parameter, ledger: PatchLedger) -> None:
-    """A ZeRO-3 parameter outside every optimizer group of its engine: under DeepSpeed eager, when
-    it requires grad, its submodule's hooks gather it for backward and autograd leaves this rank's
-    own full gradient (not reduced; DeepSpeed hooks only the optimizer's parameters) in ``.grad``,
-    on a parameter whose data is empty again afterwards; ``safe_get_full_grad`` returns that.
-
-    The gather's backward (zero3_module.py) gives that gradient to a full-shape leaf instead
-    (one element of storage: stride 0), whose hook moves it into ``p.grad``. Not the shard: a
-    gradient of the shard's shape cannot carry a full unreduced gradient."""
+    """A ZeRO-3 parameter outside every optimizer group: DeepSpeed eager leaves this rank's own full,
+    unreduced gradient in its ``.grad``. The gather's backward (zero3_module.py) gives it to a
+    full-shape stride-0 leaf instead, whose hook moves it into ``p.grad``."""
     shape = tuple(p.ds_shape)
     proxy = torch.zeros(1, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
     proxy = proxy.as_strided(shape, (0,) * len(shape)).detach().requires_grad_(True)
@@ -129,7 +111,6 @@ class Zero3Binding(DeepSpeedBinding):
         # per group: (requires_grad of each parameter, the list installed in averaged_gradients)
         self._installed_lists: dict[int, tuple[tuple[bool, ...], list]] = {}
         self._stale = False
-        # the last sinks() listed zeros for a frozen parameter: the folded norm counts its shard
         self._frozen_listed = False
         super().__init__(engine, name)
 
@@ -189,15 +170,10 @@ class Zero3Binding(DeepSpeedBinding):
 
     def _gather_plan(self) -> tuple[int, bool]:
         """(elements per parameter gather, whether a gather is issued ahead of the previous one's
-        wait). stage3_prefetch_bucket_size, capped so that the two buckets bucket_gathers keeps live
-        (one in use, one in flight) stay within stage3_max_live_parameters.
-
-        A prefetch bucket of 0 (DeepSpeed's own ZeRO-3 tests' default) is DeepSpeed's "no
-        prefetch": it gathers each submodule's
-        parameters when the submodule runs and waits at once. graphzero sees parameters, not
-        submodules, so it gathers each parameter on its own, issued at its use: the fewest gathered
-        elements alive at once, as the user asked for. Not the reduce bucket: at DeepSpeed's default
-        (5e8 elements) it would gather a whole model of that size in one collective."""
+        wait): stage3_prefetch_bucket_size, capped so that bucket_gathers' two live buckets stay
+        within stage3_max_live_parameters. A prefetch bucket of 0 is DeepSpeed's "no prefetch":
+        each parameter gathered on its own at its use (not the reduce bucket, which at 5e8 elements
+        would gather a whole model in one collective)."""
         prefetch = int(self.engine.zero_prefetch_bucket_size())
         max_live = int(self.engine.zero_max_live_parameters())
         if max_live <= 1:
@@ -229,15 +205,12 @@ class Zero3Binding(DeepSpeedBinding):
 
     def sinks(self) -> list[torch.Tensor]:
         """Per group, its region of ``grad_partitions_flat_buffer``. ``step()`` consumes
-        ``averaged_gradients[i]`` (sets it to None, or the whole dict to ``{}``) but never zeroes
-        the buffer: a missing entry (or a zero_grad since) means "start again from zeros". A list
-        DeepSpeed replaced does not: its epilogue (``engine.allreduce_gradients()``, public API)
-        lists the same views again.
+        ``averaged_gradients[i]`` but never zeroes the buffer: a missing entry (or a zero_grad since)
+        means "start again from zeros"; a list DeepSpeed replaced (its public
+        ``allreduce_gradients()`` lists the same views again) does not.
 
-        The list is made as DeepSpeed's epilogue makes it after each backward: the parameter's view,
-        or zeros for a parameter whose ``requires_grad`` is off, so that ``step()``, its norm and
-        the checkpoint code see what they see under DeepSpeed eager (a parameter frozen in the last
-        micro-step of a window steps on a zero gradient)."""
+        The list is made as DeepSpeed's epilogue makes it: each parameter's view, or zeros where
+        ``requires_grad`` is off, as ``step()`` and checkpoints see under DeepSpeed eager."""
         opt = self.engine.optimizer
         views = getattr(opt, _GRAD_PARTITIONS)
         out = []
@@ -281,9 +254,8 @@ class Zero3Binding(DeepSpeedBinding):
             ledger.set_attr(p.ds_tensor, "grad", None)
             ledger.set_attr(p.ds_tensor, "requires_grad", True)
             ledger.set_attr(p.ds_tensor, _BINDING_ATTR, self)   # graphs compiled without options find the engine
-            # DeepSpeed's own gathers (GatheredParameters, persistent parameters after step(),
-            # checkpoints) write into views made under no_grad: with a shard that requires grad they
-            # must run under no_grad too.
+            # DeepSpeed's own gathers write into views made under no_grad: with a shard that
+            # requires grad they must run under no_grad too.
             for attr in _PARAM_COLLECTIVES:
                 ledger.set_attr(p, attr, _no_grad(getattr(p, attr)))
             ledger.post_accumulate_grad_hook(p.ds_tensor, self._accumulate_eager_shard)
@@ -291,7 +263,6 @@ class Zero3Binding(DeepSpeedBinding):
         for p in module.parameters():
             if hasattr(p, "ds_tensor") and id(p) not in owned_ids:
                 _give_grad_proxy(p, ledger)
-        # Gathers follow the module tree (zero3_module.py): methods, submodules and instance forwards stay.
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
 
     def _check_frozen_groups(self, module) -> None:

@@ -1,33 +1,26 @@
 """ZeRO-3 parameters read as full tensors wherever the module reads them (SimpleFSDP's design).
 
-DeepSpeed keeps a ZeRO-3 parameter empty (``p.numel() == 0``) with this rank's shard in
-``p.ds_tensor``, and gathers it in per-submodule hooks. graphzero removes those hooks while it owns
-the engine. Instead, every module that holds a ZeRO-3 parameter gets its class swapped for a
-subclass (same name; one per module class and parameter names, shared by identical modules) with
-one property per parameter name, as torchtitan's SimpleFSDP does: the module keeps its methods,
-submodules, signatures (HF ``generate`` reads ``inspect.signature``) and instance attributes
-(wrapped forwards), and a read of ``module.weight``
+DeepSpeed keeps a ZeRO-3 parameter empty with this rank's shard in ``p.ds_tensor`` and gathers it
+in per-submodule hooks, which graphzero removes. Instead every module holding a ZeRO-3 parameter
+gets its class swapped for a same-named subclass with one property per parameter name, as
+torchtitan's SimpleFSDP does: methods, submodules, signatures (HF ``generate`` reads
+``inspect.signature``) and instance attributes stay, and a read of ``module.weight``
 
-- while Dynamo traces (the compiled step; whatever it calls: forward, another method, a submodule,
-  the attribute itself) returns ``shard_gather.gather_shard(p.ds_tensor, ...)``: the gather is in
-  the forward graph, once per read, and the passes (release, schedule_gathers, bucket_gathers) find
-  it by its op as before; the gradient flows back to the shard by reduce-scatter;
-- in eager inside a module call (evaluation, ``generate``: a forward hook of any submodule is
-  running) returns a temporary gathered tensor from the same gather, so the current parameters are
-  seen and nothing stays gathered; a gradient computed eagerly reaches the shard (the safety net);
-- in eager outside any module call returns the DeepSpeed parameter itself, as DeepSpeed eager
-  does: ``GatheredParameters(module.weight)`` and edits inside it work unchanged.
+- while Dynamo traces returns ``shard_gather.gather_shard(p.ds_tensor, ...)``: the gather is in the
+  forward graph, once per read, and its gradient flows back to the shard by reduce-scatter;
+- in eager inside a module call (evaluation, ``generate``) returns a temporary gathered tensor, so
+  nothing stays gathered; an eager gradient reaches the shard (the safety net);
+- in eager outside any module call returns the DeepSpeed parameter itself, so
+  ``GatheredParameters(module.weight)`` and edits inside it work unchanged.
 
-A parameter whose ``requires_grad`` is off (frozen, or frozen for one micro-step) is gathered without
-a gradient. One that requires grad but is in none of its engine's optimizer groups gets, as under
-DeepSpeed eager, this rank's own full gradient in ``.grad`` (through ``GRAD_PROXY_ATTR``), not a
-reduced shard.
+A frozen parameter is gathered without a gradient. One that requires grad but is in none of its
+engine's optimizer groups gets, as under DeepSpeed eager, this rank's own full gradient in ``.grad``
+(through ``GRAD_PROXY_ATTR``).
 
-Not ``torch.nn.utils.parametrize``: it moves each parameter to ``parametrizations.<name>.original``,
-which renames it in ``named_parameters`` and ``state_dict`` (DeepSpeed's optimizer groups, its
-checkpoints and ``safe_get_full_grad`` key on the names and objects), and its parametrization
-would be called by DeepSpeed's own attribute reads outside the step. A property on the class reads
-``module._parameters`` and changes nothing else; ``__class__`` is put back on detach.
+Not ``torch.nn.utils.parametrize``: it renames each parameter in ``named_parameters`` and
+``state_dict`` (DeepSpeed's optimizer groups, checkpoints and ``safe_get_full_grad`` key on them),
+and DeepSpeed's own attribute reads outside the step would call the parametrization.
+``__class__`` is put back on detach.
 """
 from __future__ import annotations
 
@@ -88,9 +81,8 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
         if not (torch.compiler.is_compiling() or depth.depth > 0):
             return p
         if not p.requires_grad:
-            # An owned shard requires grad for as long as graphzero owns it, but a parameter
-            # frozen for this step must get no gradient, as under eager autograd (Dynamo guards on
-            # p.requires_grad: the step is compiled again when it changes).
+            # frozen for this step: no gradient, as under eager autograd (Dynamo guards on
+            # p.requires_grad)
             with torch.no_grad():
                 return gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
         proxy = getattr(p, GRAD_PROXY_ATTR, None)
@@ -99,19 +91,17 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
             full = gather_shard_local_grad(p.ds_tensor, proxy, p.ds_numel, p.ds_shape, world, group_name)
         else:
             full = gather_shard(p.ds_tensor, p.ds_numel, p.ds_shape, world, group_name)
-        # the parameter's own hook dict, reached without reading the (empty) parameter's hooks in
-        # the trace: a traced read made it a graph input whose None gradient autograd handed to
-        # the hooks. Read once per trace; a hook registered later is refused at backward
-        # (compiler.BackwardWithRuntimeInputs).
+        # the hook dict, not the (empty) parameter's hooks: a traced read made it a graph input
+        # whose None gradient autograd handed to the hooks. A hook registered after the trace is
+        # refused at backward (compiler.BackwardWithRuntimeInputs).
         hooks = getattr(module, _HOOKS_ATTR)[name]
         return with_tensor_hooks(full, tuple(hooks.values())) if hooks else full
     return read
 
 
 _READ_ATTR = "_graphzero_read"
-# (module class, ZeRO-3 parameter names) -> its gathering subclass: identical modules share one
-# class (torch.compile sees one class, not one per instance); what differs per engine (its group,
-# the eager depth) is the instance's reader, and owned/frozen is decided per parameter at each read
+# (module class, ZeRO-3 parameter names) -> its gathering subclass, shared so that torch.compile
+# sees one class, not one per instance; per-engine state lives in the instance's reader
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -125,8 +115,8 @@ def _gathering_class(cls: type, names: tuple[str, ...]) -> type:
 
 
 def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchLedger) -> int:
-    """Make every ZeRO-3 parameter of ``module``'s tree read as a gathered tensor (see the module
-    docstring); every change goes through ``ledger``. Returns the number of modules swapped."""
+    """Make every ZeRO-3 parameter of ``module``'s tree read as a gathered tensor, through ``ledger``;
+    returns the number of modules swapped."""
     depth = _EagerDepth()
     read = _reader(depth, world, group_name)
     swapped = 0
