@@ -1,7 +1,6 @@
 """Attaching engines: check each engine's DeepSpeed config (every unsupported key named), pick the
 binding for its optimizer family, refuse parameters owned twice and mismatched worlds, install.
-
-`attach` validates every engine before changing any; `detach` restores DeepSpeed's own handling.
+`attach` validates every engine before changing any.
 """
 from __future__ import annotations
 
@@ -24,13 +23,8 @@ def _deepspeed_engine_class() -> type:
 
 def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = None,
            defer_param_gather: bool | None = None) -> list[DeepSpeedBinding]:
-    """Attach graphzero to each ``(name, engine)``; idempotent. Validates all before changing any.
-    A name that is an `options.DefaultName` (listed without one) is a label only: the engine keeps
-    its name or gets the next free ``engineK`` (names.py).
-
-    ``lean_step`` / ``defer_param_gather``: the options of that name (None: not given), set on each
-    engine: a value given for the first time replaces the default (an attached engine's step is
-    chosen again), one that differs from a value given before is an OptionError (step.settle)."""
+    """Attach graphzero to each ``(name, engine)``; idempotent. An `options.DefaultName` is a label
+    only (names.py). ``lean_step`` / ``defer_param_gather``: None is not given (step.settle)."""
     engine_cls = _deepspeed_engine_class()
     bindings, settings = [], []
     for name, engine in engines:
@@ -55,14 +49,10 @@ def attach(engines: Sequence[tuple[str, object]], *, lean_step: bool | None = No
                 if other is not None and other != name:
                     raise OwnershipError(f"parameter {pname!r} is owned by two engines: {other!r} and {name!r}")
                 claimed[id(p)] = name
-    # Engines attached together share one loss, even when a graph break puts them in different
-    # graphs: refuse before changing any of them.
+    # Engines attached together share one loss, even across a graph break.
     check_same_world([b.param_set for b in bindings])
-    # Each engine's name, unique among the process's attached engines (names.py); a clash within
-    # this call is refused here, before any change.
     final, displaced = names.assign([(name, binding) for (name, _), binding in zip(engines, bindings)])
-    # All or nothing: an install that fails undoes itself (its ledger); the engines this call
-    # attached before it are detached again, so a failed attach leaves every engine as it was.
+    # All or nothing: a failed install undoes itself; engines this call attached are detached again.
     installed: list[DeepSpeedBinding] = []
     try:
         for name, binding, wanted in zip(final, bindings, settings):

@@ -1,9 +1,5 @@
 """The DeepSpeed adapter's shared base: `DeepSpeedBinding` (hook install/uninstall, the eager
-safety net). The only package that touches DeepSpeed internals; one module per optimizer family
-(zero12.py, bf16.py, zero3.py) holds the layout and the buffers step() reads, step/ the optimizer
-step, and attach.py checks configs and attaches engines.
-
-A binding builds its engine's `ParamSet` (the flat gradient layout its ZeRO optimizer reads in
+safety net); subclasses per optimizer family (zero12.py, bf16.py, zero3.py). A binding builds its engine's `ParamSet` (the flat gradient layout its ZeRO optimizer reads in
 `step()`), binds that optimizer's partition buffers as the shard sinks, and switches off
 DeepSpeed's own gradient handling for the parameters graphzero now owns:
 
@@ -14,10 +10,9 @@ DeepSpeed's own gradient handling for the parameters graphzero now owns:
 - ``engine.backward``'s prologue/epilogue (loss/gas and ``allreduce_gradients``), and the public
   ``engine.allreduce_gradients()``, which has nothing left to reduce.
 
-Every change goes through the binding's `PatchLedger` (ledger.py), which remembers what was there:
-`detach`, and an install that fails part-way, give the engine back exactly as found (DeepSpeed's
-own hook objects under their ids, instance attributes it had). State lives on the engine and its
-parameters (``_graphzero_binding``, set last), not in a module-level registry.
+Every change goes through the binding's `PatchLedger` (ledger.py): `detach`, and an install that
+fails part-way, give the engine back exactly as found. State lives on the engine and its parameters
+(``_graphzero_binding``, set last), not in a module-level registry.
 """
 from __future__ import annotations
 
@@ -61,7 +56,6 @@ class DeepSpeedBinding:
         self.engine = engine
         self.name = name
         self.kind = _optimizer_kind(engine)
-        # every change install() makes, undone by uninstall() and by a failed install()
         self.ledger = PatchLedger(f"engine {name!r}")
         self._warned_eager = False
         self._logged_hooked: set[int] = set()
@@ -160,10 +154,7 @@ class DeepSpeedBinding:
         return list(self.engine.optimizer.real_dp_process_group)
 
     def runtime_scale(self) -> float:
-        """This backward's factor for the engine's summed gradient: each engine's gradient is
-        averaged over the ranks and over its own gas micro-batches, however the backward started.
-
-        1/(world*gas), unless DeepSpeed's own ``engine.backward`` of some engine E started it (a
+        """This backward's factor for the engine's summed gradient: 1/(world*gas), unless DeepSpeed's own ``engine.backward`` of some engine E started it (a
         first call written as ``E.backward(step(...))`` looks up ``E.backward`` before graphzero
         attaches): that divided the loss by E's gas already, so the factor is
         gas(E)/(world*gas) (1/world for E itself). An E graphzero does not own is an error: its gas
@@ -191,10 +182,8 @@ class DeepSpeedBinding:
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
-        """Take the engine over. Every change goes through ``self.ledger``; the engine counts as
-        attached (``binding_of``) only once all of them are made. If any step fails, the changes
-        made so far are undone in reverse order and the error is raised (a `GraphZeroError` as
-        it was; anything else as an `InstallError` naming the engine)."""
+        """Take the engine over, through ``self.ledger``; on failure undo it all and raise (anything
+        not a `GraphZeroError` as an `InstallError` naming the engine)."""
         try:
             self._install(self.ledger)
             self.ledger.on_undo(self._unfold_norm, "the folded norm")
@@ -221,7 +210,6 @@ class DeepSpeedBinding:
     def _install(self, ledger: PatchLedger) -> None:
         """The changes shared by every optimizer family; subclasses add theirs after these."""
         engine, opt = self.engine, self.engine.optimizer
-        # DeepSpeed's own gradient hooks: taken out as they are, put back as they were on detach.
         for h in opt._grad_acc_hooks:
             ledger.remove_hook(h)
         ledger.clear_list(opt._grad_acc_hooks)
@@ -280,7 +268,7 @@ class DeepSpeedBinding:
                 ledger.post_accumulate_grad_hook(p, self._reduce_eager_grad)
 
     def uninstall(self) -> None:
-        """Give the engine back as ``install`` found it (the ledger, newest change first)."""
+        """Give the engine back as ``install`` found it."""
         try:
             self.ledger.undo()
         finally:
@@ -305,13 +293,8 @@ class DeepSpeedBinding:
     # -- safety net for gradients computed outside graphzero's graphs ---------------------------
     @torch.no_grad()
     def _reduce_eager_grad(self, param: torch.nn.Parameter) -> None:
-        """Reduce a gradient that reached ``param.grad`` through eager autograd.
-
-        Compiled graphs return no gradient for owned parameters, so this runs only for code that
-        Dynamo did not capture (a skipped frame, a plain eager call) and for parameters with a
-        tensor hook (ownership.py). It keeps the result correct, at the cost of one blocking
-        all-reduce per parameter.
-        """
+        """Reduce a gradient that reached ``param.grad`` through eager autograd: code Dynamo did not
+        capture, and parameters with a tensor hook (ownership.py). One blocking all-reduce each."""
         if param.grad is None:
             return
         self.eager_gradients += 1
@@ -363,11 +346,8 @@ class DeepSpeedBinding:
 
 
 def _graphzero_engine_backward(engine, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
-    """``engine.backward`` while graphzero owns the engine: a plain ``loss.backward()``.
-
-    The 1/gas scaling and the reduction happen in the compiled backward (or the eager safety net),
-    so DeepSpeed's prologue (loss/gas) and epilogue (allreduce_gradients) must not run again.
-    """
+    """``engine.backward`` while graphzero owns the engine: a plain ``loss.backward()`` (1/gas and the
+    reduction are in the compiled backward)."""
     if not scale_wrt_gas:
         raise UnsupportedConfigError(
             "engine.backward(..., scale_wrt_gas=False) under graphzero: gradients are scaled by 1/gas in-graph")

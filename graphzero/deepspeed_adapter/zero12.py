@@ -4,8 +4,6 @@ Layout: per param group, the flat order ``round_robin_bit16_groups[i]`` at
 ``round_robin_bit16_offsets[i]`` of a padded buffer of ``bit16_groups_flat[i].numel()`` elements,
 split into one contiguous partition per data-parallel rank. ``step()`` reads this rank's
 partition from ``averaged_gradients[i]``.
-
-While attached, ``optimizer.step`` is graphzero's lean step where the config allows (step/lean.py).
 """
 from __future__ import annotations
 
