@@ -1,34 +1,24 @@
 """bucket_gathers: one all-gather per bucket of ZeRO-3 parameters instead of one per parameter.
 
-Runs on the forward graph and on the backward graph, after schedule_gathers (which ordered the
-gathers by the first use of their parameter). Walking the gathers in that order, it groups
-consecutive gathers of one engine (same process group and dtype) into buckets of at most
-``ParamSet.gather_bucket_numel`` gathered elements (the engine's ``stage3_prefetch_bucket_size``,
-capped at half its ``stage3_max_live_parameters``; graphzero's ``bucket_size`` option overrides it).
-For every bucket of two or more parameters it inserts
+Runs on the forward and backward graphs, after schedule_gathers (gathers ordered by first use). It
+groups consecutive gathers of one engine (same process group and dtype) into buckets of at most
+``ParamSet.gather_bucket_numel`` gathered elements, and for every bucket of two or more inserts
 
-  ``aten.cat`` of the members' shards -> ``_c10d_functional.all_gather_into_tensor`` ->
-  ``wait_tensor`` -> ``graphzero.split_gathered`` (per member: its [world, shard] columns, made
-  contiguous; an opaque op, so inductor cannot fuse two buckets' copies into one kernel), whose
-  outputs replace the members' own gathered tensors
+  ``aten.cat`` of the shards -> ``all_gather_into_tensor`` -> ``wait_tensor`` ->
+  ``graphzero.split_gathered`` (an opaque op, so inductor cannot fuse two buckets' copies)
 
-and erases the per-parameter gathers. A flat concatenation rather than
-``all_gather_into_tensor_coalesced``: both work on gloo and under inductor on CPU, and the flat one
-measured faster there (one gloo collective; see the issue note).
+replacing the per-parameter gathers. A flat concatenation rather than
+``all_gather_into_tensor_coalesced``: the flat one measured faster on gloo/CPU (one collective).
 
-Placement (prefetch depth one, across engines; an engine with ``ParamSet.gather_ahead`` off, DeepSpeed's
-``stage3_prefetch_bucket_size: 0``, issues each of its buckets just before its wait instead): bucket k's collective is issued just before bucket
-k-1's wait, whichever engines they belong to (so the second engine's first gather is in flight while
-the first engine computes), its wait sits just before the first use of its first member, and the
-members are unpacked right there, so the flat gathered buffer dies at once. The live gathered
-bytes are therefore bounded by two buckets (the one in use and the one in flight), plus the
-unpacking copy of one bucket. Inductor keeps this order: graphzero compiles graphs with gathers
-without its peak-memory reordering (inductor_config.py).
+Placement (prefetch depth one, across engines; an engine with ``gather_ahead`` off issues each
+bucket just before its wait): bucket k's collective is issued just before bucket k-1's wait, its
+wait and unpacking just before the first use of its first member. Live gathered bytes are thus
+bounded by two buckets plus one bucket's unpacking copy; inductor keeps this order because graphs
+with gathers skip its peak-memory reordering (inductor_config.py).
 
-Records per engine ``all_gather_{fwd,bwd}`` (collectives), ``all_gather_bytes_{fwd,bwd}``,
-``gather_buckets_{fwd,bwd}`` and the graph's ``gathered_peak_bytes_{fwd,bwd}`` (computed from graph
-order: a bucket lives from its collective to the last use of any member); and the bucket plan in
-``ctx.zero3_plan`` (compared across ranks before the graph runs, rank_agreement.py).
+Records per engine ``all_gather_{fwd,bwd}``, ``all_gather_bytes_{fwd,bwd}``,
+``gather_buckets_{fwd,bwd}`` and ``gathered_peak_bytes_{fwd,bwd}``; and the bucket plan in
+``ctx.zero3_plan`` (compared across ranks, rank_agreement.py).
 """
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """bucket_shard_grads: one reduce-scatter per bucket of ZeRO-3 shard gradients instead of one each.
 
-Runs on the backward graph before annotate_owner, after sum_shard_grads (one reduce-scatter per
-parameter) and hold_shard_grads (gradients another graph will reduce are gone). Each ZeRO-3
-shard's gradient arrives from the gather's backward as ``reduce_scatter_tensor(padded full gradient)`` -> ``wait_tensor`` -> graph
-output. Walking those reduce-scatters in graph order (the order backward produces gradients), it
-groups consecutive ones of one engine (same process group, dtype) into buckets of at most the
-engine's ``reduce_bucket_size`` elements (graphzero's ``bucket_size`` option overrides it), and
-for every bucket of two or more inserts, right after the last gradient the bucket needs:
+Runs on the backward graph after sum_shard_grads and hold_shard_grads, before annotate_owner. It
+groups consecutive per-parameter reduce-scatters of one engine (same process group, dtype) into
+buckets of at most ``reduce_bucket_size`` elements, and for every bucket of two or more inserts,
+right after the last gradient it needs:
 
   each padded gradient viewed [world, shard] -> ``aten.cat`` along the shard dimension -> flat ->
-  ``_c10d_functional.reduce_scatter_tensor`` (rank r receives the concatenation of its shards) ->
-  ``wait_tensor`` -> per member an ``aten.slice`` of its shard, which becomes the graph output
+  ``reduce_scatter_tensor`` -> ``wait_tensor`` -> per member an ``aten.slice``, the graph output
 
-and erases the per-parameter reduce-scatters. The wait sits just before the next bucket's
-collective (or the output): one bucket in flight while backward computes the next, and the full-size
-gradients of at most two buckets alive. The graph, hence the order of collectives, is the same on
-every rank. Records ``gradient_buckets`` and ``reduce_scatter`` (collectives) per engine and the
-plan in ``ctx.zero3_plan`` (compared across ranks, rank_agreement.py).
+The wait sits just before the next bucket's collective: one bucket in flight, the full-size
+gradients of at most two buckets alive. Records ``gradient_buckets`` and ``reduce_scatter`` per
+engine and the plan in ``ctx.zero3_plan`` (compared across ranks, rank_agreement.py).
 """
 from __future__ import annotations
 

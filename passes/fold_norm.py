@@ -1,20 +1,13 @@
 """fold_norm: the squared gradient norm of each param group's final shard, in the backward.
 
-For an engine whose optimizer step reads a folded norm (``ctx.folds_norm``: ZeRO-1/2 with the lean
-step, ZeRO-3 through DeepSpeed's own step) and whose every param group this backward accumulates
-into (ZeRO-3: every parameter of it), it appends one placeholder (a ``(num_groups,)`` fp32 buffer
-the runtime supplies, kind ``"norm"``) and inserts, for each group:
-
-  for every parameter's piece of this rank's shard: piece -> fp64 -> sum of squares;
-  summed over the pieces -> fp32
-
-which is DeepSpeed's formula (``get_grad_norm_direct``: each piece's 2-norm squared, summed; the
-square of a norm is taken as the sum of squares it is the root of, within an fp64 rounding), then
-copies the squares into the buffer. The pieces: ZeRO-1/2, slices of the accumulated shard with the
-padding excluded (DeepSpeed's ``scaled_global_norm``); ZeRO-3, each parameter's whole partition as
-fp32_accumulate wrote it (DeepSpeed norms the same views; their padding holds zeros). The sum over
-ranks happens after the backward (graphzero/runtime/norm.py). An engine with a group (ZeRO-3: a parameter) this
-graph does not write gets nothing: its shards' norm is not known here, and step() computes it.
+For an engine whose step reads a folded norm (``ctx.folds_norm``) and every param group of which
+(ZeRO-3: every parameter) this backward accumulates into, it appends a ``(num_groups,)`` fp32
+placeholder (kind ``"norm"``) and per group inserts: per parameter piece of this rank's shard ->
+fp64 -> sum of squares; summed -> fp32, copied into the buffer. That is DeepSpeed's
+``get_grad_norm_direct`` within an fp64 rounding. Pieces: ZeRO-1/2, slices of the accumulated
+shard without padding; ZeRO-3, each parameter's whole partition (its padding holds zeros). The sum
+over ranks follows the backward (runtime/norm.py). An engine with a group this graph does not
+write gets nothing: step() computes its norm.
 """
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """fp32_accumulate: add each rank's reduced shard into the buffer its engine's optimizer reads.
 
-Per (engine, param group) it appends one placeholder for that buffer (the "sink": a ZeRO
-optimizer's fp32 gradient partition, or BF16_Optimizer's fp32 gradient buffer), per engine one
-for the averaging factor (normally 1/(world*gas)); the runtime passes the real tensors on every
-call. Before the output it inserts:
+Per (engine, param group) it appends a placeholder for the "sink" (the optimizer's fp32 gradient
+partition or buffer), per engine one for the averaging factor (normally 1/(world*gas)), and
+before the output inserts:
 
-  cat(reduced chunks in shard order, zeros where no bucket landed) -> convert to the accumulation
-  dtype -> multiply by the factor -> add to the sink -> ``aten.copy_`` into the sink.
+  cat(reduced chunks, zeros where no bucket landed) -> accumulation dtype -> x factor -> add to the
+  sink -> ``aten.copy_`` into the sink.
 
-ZeRO-3 groups (presharded) are accumulated per parameter as each reduced shard arrives, right after
-its bucket's wait: slice of the sink at the parameter's offset -> add (cast, scaled) -> ``copy_``
-into that slice. So no reduced shard outlives its bucket (DeepSpeed adds each reduced bucket into
-the partition as it completes), and the backward holds one sink, not a second model/world of
-reduced shards until the output.
-
-Inductor fuses the cast, scale and add into one pass over the shard. An engine flushing its local sum
-(local_accumulate: scaled as it was added) is not scaled again here. Finally the owned
-gradients are removed from the graph's outputs (None), so autograd keeps no full-size ``.grad``.
+ZeRO-3 groups are accumulated per parameter right after its bucket's wait, into the sink's slice,
+so no reduced shard outlives its bucket (as DeepSpeed adds each bucket when it completes). A flushed
+local sum (local_accumulate) is not scaled again. The owned gradients are removed from the graph's
+outputs, so autograd keeps no full-size ``.grad``.
 """
 from __future__ import annotations
 

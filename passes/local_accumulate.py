@@ -1,25 +1,19 @@
 """local_accumulate: ZeRO-1 with gradient accumulation reduces once per optimizer step, and a
 ZeRO-1/2 engine reached by two graphs of one backward once per backward.
 
-DeepSpeed eager ZeRO-1 accumulates micro-step gradients locally and reduces only at the
-gradient-accumulation boundary. A compiled graph cannot skip a collective at run time (every rank
-runs the same graph), so the backend compiles one variant of the backward per boundary state of
-such engines (``ctx.modes``; also while another graph of the same backward will still reach the
-engine: graphzero/runtime/) and this pass makes the difference for ZeRO-1/2 engines (flat partial
-sums, runtime/partial.py). Per engine and
-param group it appends one placeholder for the window's local full-size buffer (laid out like the
-flat group, accumulation dtype) and, per engine, one for the averaging factor; then:
+A compiled graph cannot skip a collective at run time, so the backend compiles one backward variant
+per boundary state (``ctx.modes``, graphzero/runtime/) and this pass makes the difference, with flat
+partial sums (runtime/partial.py). Per param group it appends a placeholder for the window's local
+full-size buffer and, per engine, one for the averaging factor; then:
 
-- ``Mode.KEEP`` (not a boundary, or not the last graph): before the output, ``buffer + cat(gradient x factor, zeros
-  where this graph has no gradient)`` -> ``aten.copy_`` into the buffer. The engine's buckets are
-  dropped: no collective, no shard write.
-- ``Mode.REDUCE_PARTIAL`` (the boundary, or the last graph): right after each owned gradient, ``buffer slice + gradient x factor``
-  (flat, accumulation dtype) replaces that gradient for the passes after this one: its buckets
-  reduce the window's sum, and fp32_accumulate adds it to the shard without scaling again. The
+- ``Mode.KEEP`` (not a boundary, or not the last graph): ``buffer + cat(gradient x factor, zeros)``
+  -> ``aten.copy_`` into the buffer; the engine's buckets are dropped (no collective);
+- ``Mode.REDUCE_PARTIAL`` (the boundary, or the last graph): ``buffer slice + gradient x factor``
+  replaces each owned gradient for the later passes, so its buckets reduce the window's sum. The
   runtime zeroes the flushed slices after the call.
 
-The factor is applied per micro-step, before the sum, so a window whose micro-steps were launched
-differently (``engine.backward`` divides the loss by gas itself) still sums correctly.
+The factor is applied per micro-step, so a window whose micro-steps were launched differently
+(``engine.backward`` divides the loss by gas itself) still sums correctly.
 """
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
 """lower_reduce_scatter: a reduce-scatter as an all-to-all and a local sum, where that is cheaper.
 
-gloo has no reduce-scatter of its own: torch's gloo backend runs ``reduce_scatter_tensor`` as an
-all-reduce of the whole input and keeps the slice, so every rank sends what an all-reduce sends
-(2(w-1)/w of the bucket on a ring) and a ZeRO-1/2 step then moves 1.5x DDP's bytes. An all-to-all
-sends each rank only its own chunk ((w-1)/w, the reduce-scatter floor) and the sum happens locally:
-measured 1.5-1.9x faster than gloo's all-reduce at 1-16 MB on 2 ranks (docs/benchmarks.md).
+gloo's ``reduce_scatter_tensor`` is an all-reduce of the whole input (2(w-1)/w of the bucket on a
+ring); an all-to-all sends each rank only its own chunk ((w-1)/w) and sums locally: measured
+1.5-1.9x faster at 1-16 MB on 2 ranks (docs/benchmarks.md).
 
-For every ``wait_tensor(reduce_scatter_tensor(x, "sum", w, group))`` on an engine's group, where
-``collective="all_to_all"``, or ``"auto"`` and the group is gloo, it inserts in their place:
+Where ``collective="all_to_all"``, or ``"auto"`` on gloo, every
+``wait_tensor(reduce_scatter_tensor(x, "sum", w, group))`` of an engine becomes
 
-  ``_c10d_functional.all_to_all_single(x, [c]*w, [c]*w, group)`` (rank r receives every rank's
-  chunk r, c = numel / w) -> ``wait_tensor`` where the old wait was -> view [w, c] -> sum over ranks
+  ``all_to_all_single(x, [c]*w, [c]*w, group)`` -> ``wait_tensor`` -> view [w, c] -> sum over ranks
 
-The first and the last rank (both ranks of a pair) leave their own chunk out: they send the rest of
-the bucket as it lies (a zero split for themselves) and add their own chunk to the received rows,
-so it is neither copied through gloo nor allocated in the output (measured 25-35% less time for a
-6 MB bucket on 2 ranks). A middle rank's own chunk sits inside the bucket, and cutting it out
-would cost a copy, so it sends the whole bucket.
-
-So it runs last: the buckets (insert_reduce_scatter, bucket_shard_grads) and the waits'
-placement (schedule_overlap) are already decided, and nothing downstream looks for the collective.
-The all-to-all's output is at most the bucket's size, as the all-reduce it replaces on gloo; the
-rows are summed in a fixed order, so the result does not depend on message arrival.
+The first and last rank leave their own chunk out of the exchange (a zero split) and add it to the
+received rows (measured 25-35% less time for a 6 MB bucket on 2 ranks); a middle rank's chunk would
+cost a copy to cut out. It runs last, once buckets and wait placement are decided. Rows are summed
+in a fixed order, so the result does not depend on message arrival.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """release: gathered ZeRO-3 parameters are not saved for backward; backward gathers them again.
 
-Runs on AOT autograd's JOINT graph, before the partitioner splits it. For every
-``_c10d_functional.all_gather_into_tensor`` of an owned shard (a primal input that is a ZeRO-3
-shard; or a frozen ZeRO-3 shard of the same engine, ``Ownership.frozen``: a LoRA base), it tags the
-gather, its ``wait_tensor`` and every view derived from the gathered tensor
-with ``meta["recompute"] = MUST_RECOMPUTE``: the min-cut partitioner then saves the (small) shard
-instead of the full parameter and recomputes the gather in the backward graph (collectives are
-otherwise always saved). Parameters the engine keeps gathered are not tagged for recomputation:
-their gathered value is saved, and backward does not gather them again. DeepSpeed keeps a parameter
-gathered when it is persistent (``FlatGroup.persistent``: below ``stage3_param_persistence_threshold``)
-or when its next use comes within the elements DeepSpeed looks ahead over
-(``ParamSet.reuse_distance``: the larger of ``stage3_max_reuse_distance``, which
-partitioned_param_coordinator's ``__params_to_release`` scans, and ``stage3_prefetch_bucket_size``,
-whose prefetch marks the parameters it passes as needed again). Between a parameter's forward use
-and its backward use the engine fetches every parameter it gathers after it, twice (forward, then
-backward in reverse), so it is kept when twice the elements gathered after it in the forward are
-below that distance: with DeepSpeed's defaults (1e9, 5e7) a whole engine of under 500M parameters
-stays gathered, as under DeepSpeed eager; with both small (0 and 1, say) backward gathers the
-parameters again (at most two gather buckets live). Each tagged node also gets ``meta["graphzero"]``, which the
-partitioner copies into both graphs, so later passes find the gathers on either side. Inserts nothing.
+Runs on AOT autograd's JOINT graph. Every all-gather of an owned or frozen ZeRO-3 shard of an
+engine, its ``wait_tensor`` and the views derived from it get ``meta["recompute"] =
+MUST_RECOMPUTE``: the min-cut partitioner then saves the shard and recomputes the gather in the
+backward (collectives are otherwise always saved). Not tagged, as DeepSpeed keeps them gathered:
+persistent parameters (``FlatGroup.persistent``), and those whose next use is within
+``ParamSet.reuse_distance`` (the larger of ``stage3_max_reuse_distance``, which
+``__params_to_release`` scans, and ``stage3_prefetch_bucket_size``, whose prefetch marks parameters
+needed again). Between forward and backward use the engine fetches every later parameter twice,
+so one is kept when twice the elements gathered after it are below that distance: at DeepSpeed's
+defaults an engine under 500M parameters stays gathered, as in eager. Each tagged node also gets
+``meta["graphzero"]``, which the partitioner copies into both graphs. Inserts nothing.
 """
 from __future__ import annotations
 

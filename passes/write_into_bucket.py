@@ -1,26 +1,18 @@
 """write_into_bucket: matmul gradients computed straight into their bucket (DDP's
 ``gradient_as_bucket_view``, at compile time).
 
-insert_reduce_scatter builds each ZeRO-1/2 bucket as a ``cat`` of the flattened gradients it
-carries. Inductor on CPU materialises every ``cat`` and copies an input into it unless the input
-could be laid out inside the ``cat``'s buffer, which an extern kernel's output (a matmul's fixed
-layout) cannot: so every Linear weight gradient was written once by its matmul and once more by the
-copy into the bucket, a write and a read of the whole bucket per backward (measured: about 5 ms of
-a 60 ms gan backward on the 2-core CPU machine, docs/benchmarks.md, seventh pass).
+Inductor on CPU copies every input of a ZeRO-1/2 bucket's ``cat`` into its buffer unless it can be
+laid out there, which a matmul's fixed-layout output cannot: a write and a read of the whole bucket
+per backward (about 5 ms of a 60 ms gan backward on the 2-core CPU machine, docs/benchmarks.md,
+seventh pass).
 
-For every bucket ``cat`` of which some piece is the flattened result of a matmul that nothing else
-reads (``mm``, or ``mm + mm``: a parameter used twice; a parameter straddling two shards is two
-adjacent pieces), it inserts:
-
-  ``aten.empty`` (the bucket) before the first such matmul;
-  per such piece, where each of its matmuls stood: ``aten.addmm_(<the piece's slice of the bucket,
-  viewed to the matmul's shape>, a, b, beta=0)`` (``beta=1`` for the second ``mm``: it adds; with
-  ``beta=0`` the bucket's uninitialised contents are not read);
-  where the ``cat`` stood: ``aten.copy_`` of every other piece into its slice, then
-  ``aten.alias`` of the bucket, which replaces the ``cat`` for its users (the collective).
-
-The values are the ``cat``'s; the matmuls and their flattening views are erased. It runs last, after
-lower_reduce_scatter has sliced the ``cat`` for the all-to-all: the slices read the bucket as written.
+For every bucket ``cat`` with pieces that are the flattened result of a matmul nothing else reads
+(``mm``, or ``mm + mm`` for a parameter used twice), it inserts ``aten.empty`` (the bucket) before
+the first such matmul; ``aten.addmm_(<the piece's slice, viewed to the matmul's shape>, a, b,
+beta=0)`` in place of each matmul (``beta=1`` for the second ``mm``; ``beta=0`` never reads the
+uninitialised bucket); and where the ``cat`` stood, ``aten.copy_`` of the other pieces and an
+``aten.alias`` of the bucket that replaces the ``cat``. It runs last, after lower_reduce_scatter
+has sliced the ``cat``: the slices read the bucket as written.
 """
 from __future__ import annotations
 
