@@ -2,16 +2,10 @@
 
 Within a flat group of S elements per shard, the shard-relative ranges where this graph's
 gradients land are cut into chunks [lo, hi) of at most ``bucket_numel / num_shards`` elements;
-bucket b carries, for every shard s, the range ``[s*S + lo, s*S + hi)`` of the group's flat
-buffer. A reduce-scatter of that bucket therefore hands each rank exactly chunk b of its own
-shard: the layout DeepSpeed's optimizer reads, with no all-to-all, whatever the bucket size.
-A graph that sees only some of a group's parameters (after a graph break) sends only where they
-land, not the whole group.
-
-Buckets are listed from the end of the shards to the start (parameters late in the flat order
-usually get their gradients first); each collective is then placed right after the last gradient
-it needs. The graph, hence the order of collectives, is the same on every rank.
-Presharded (ZeRO-3) groups get no bucket: their gradients arrive already reduce-scattered.
+bucket b carries ``[s*S + lo, s*S + hi)`` for every shard s, so a reduce-scatter hands each rank
+chunk b of its own shard: DeepSpeed's layout, whatever the bucket size. Buckets are listed from
+the end of the shards (late parameters usually get their gradients first). Presharded (ZeRO-3)
+groups get none: their gradients arrive already reduce-scattered.
 """
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """hold_shard_grads: ZeRO-3 gradients of an engine that another graph of this backward still
 reaches are held, and the last such graph reduces each parameter's sum once.
 
-Runs after sum_shard_grads (one reduce-scatter per parameter in this graph) and before
-bucket_shard_grads, only in the variants that need it (``ctx.modes`` of ZeRO-3 engines; their
-per-parameter partial sums: graphzero/runtime/partial.py). For each of the engine's shard
-gradients ``wait(reduce_scatter(x))`` it appends one placeholder for that parameter's held sum
-(``Slot.PARTIAL``, a padded full gradient), then:
+Runs after sum_shard_grads and before bucket_shard_grads, only in the variants that need it
+(``ctx.modes``; per-parameter partial sums, runtime/partial.py). For each shard gradient
+``wait(reduce_scatter(x))`` it appends a placeholder for the held sum (``Slot.PARTIAL``), then:
 
-- ``Mode.KEEP``: ``held + x`` -> ``aten.copy_`` into ``held``, right after ``x``; the reduce-scatter,
-  its wait and the graph output go (None: no shard is written, nothing is reduced here);
-- ``Mode.REDUCE_PARTIAL``: the reduce-scatter reads ``x + held`` instead of ``x``: one reduction of every
-  contribution of this backward. The runtime drops the released sums after the call.
+- ``Mode.KEEP``: ``held + x`` -> ``aten.copy_`` into ``held``; the reduce-scatter, its wait and the
+  graph output go;
+- ``Mode.REDUCE_PARTIAL``: the reduce-scatter reads ``x + held``. The runtime drops the released
+  sums after the call.
 
-Records the owned inputs it held or released in ``ctx.partial_grads`` and the count as ``held`` /
-``released`` per engine for the dump.
+Records the inputs held or released in ``ctx.partial_grads``, and ``held`` / ``released`` counts.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """insert_reduce_scatter: one collective per bucket, on the owning engine's data-parallel group.
 
-For each bucket it inserts, right after the last gradient the bucket needs (so the collective can
-overlap the rest of backward):
+For each bucket it inserts, right after the last gradient the bucket needs (to overlap the rest of
+backward): each gradient flattened in the communication dtype -> its pieces in the bucket (zeros
+for padding and missing gradients) -> cat -> ``reduce_scatter_tensor`` -> ``wait_tensor``.
 
-  flatten/convert each gradient to the engine's communication dtype -> slice the pieces that fall
-  in the bucket (zeros for padding and for parameters without a gradient in this graph) -> cat
-  -> ``_c10d_functional.reduce_scatter_tensor`` (each rank receives its chunk) -> ``wait_tensor``.
-
-Sharded groups (ZeRO optimizer partitions) use a reduce-scatter (on gloo lowered to an all-to-all
-and a local sum by lower_reduce_scatter), or, with ``collective="all_reduce"``, an all-reduce
-followed by a slice of this rank's chunk: each rank still keeps only its shard. Groups every rank
-keeps whole (BF16_Optimizer) use an all-reduce. Scaling by 1/(world*gas) happens later, in the
-accumulation dtype (fp32_accumulate).
-Functional collectives rather than custom ops: inductor's comm passes recognise them.
+Sharded groups use a reduce-scatter, or with ``collective="all_reduce"`` an all-reduce and a slice
+of this rank's chunk; groups every rank keeps whole (BF16_Optimizer) an all-reduce. Scaling happens
+later, in the accumulation dtype (fp32_accumulate). Functional collectives rather than custom ops:
+inductor's comm passes recognise them.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """wait_params: every read of an owned ZeRO-1/2 parameter waits for its deferred all-gather.
 
-Runs on the forward graph. graphzero's lean optimizer step may end by launching the all-gather of
-an engine's updated parameters without waiting (option ``defer_param_gather``): c10d registers
-that collective's work under the flat buffer's storage, and ``_c10d_functional.wait_tensor`` on
-any parameter viewing that buffer waits for it (a no-op when nothing is pending).
-
-For each owned, unsharded parameter input that the graph reads, this pass inserts one
-``wait_tensor(param)`` just before its first use and routes every other use of the parameter
-through the wait's result: a data dependency, so no compiler can move a read above the wait. The
-first wait of a flat group that runs blocks until the group's gather is complete; the others find
-nothing pending. Waits already in the graph on such a parameter (traced from the adapter's module
-hooks, which protect eager calls and graphs of other backends) are folded into this one.
-
-Records per engine ``param_waits``. Graph outputs keep the parameter itself: they are saved for
-backward, which runs after this forward has waited.
+Runs on the forward graph. With ``defer_param_gather`` the lean step leaves the parameters'
+all-gather in flight; ``wait_tensor`` on any parameter viewing the flat buffer waits for it.
+For each owned, unsharded parameter input the graph reads, this pass inserts one
+``wait_tensor(param)`` before its first use and routes every other use through the wait's result
+(a data dependency no compiler can reorder). Waits already traced from the adapter's module hooks
+are folded into this one. Records per engine ``param_waits``. Graph outputs keep the parameter
+itself: backward runs after this forward has waited.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """The compiled forward and backward as the run time calls them.
 
-Every rank runs the same graph, so a collective cannot be skipped at run time; instead a backward
-whose engines may keep their gradients (a ZeRO-1 window, another graph of the same backward
-reaching them: runtime/state.py) is compiled in variants, one per combination of its engines'
-modes, each the first time it is needed. `Backward` picks the variant per call; `GraphBackward`
-calls one with each engine's run-time inputs (its shard buffers, averaging factor, partial sums,
-norm buffer: fetched per call, not baked in, as an optimizer step replaces or zeroes them) and
-tells each engine's state afterwards. The variant is part of each variant's collective plan, so
-ranks that disagree raise a RankDisagreementError instead of hanging.
-
-A lazily compiled variant runs under the tracing and compile contexts saved when AOT autograd
-compiled the backward, as AOT does for its own lazy backward compile.
+A collective cannot be skipped at run time, so a backward whose engines may keep their gradients
+(runtime/state.py) is compiled in variants, one per combination of its engines' modes, each when
+first needed. `Backward` picks the variant per call; `GraphBackward` calls it with each engine's
+run-time inputs (fetched per call: an optimizer step replaces or zeroes them) and tells each
+engine's state afterwards. The variant is part of its collective plan, so ranks that disagree raise
+a RankDisagreementError instead of hanging. A lazily compiled variant runs under the tracing and
+compile contexts AOT autograd saved, as AOT does for its own lazy backward compile.
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
 """The gradient norm folded into the compiled backward (ZeRO-1/2 with graphzero's lean step, and
-ZeRO-3, whose DeepSpeed step reads it through ``_get_norm_groups``; deepspeed_adapter/zero3.py).
+ZeRO-3 through ``_get_norm_groups``).
 
-DeepSpeed's ``step()`` (and the lean step before this) starts with a blocking all-reduce of every
-param group's squared gradient norm (ZeRO-3: one per param group). graphzero already computes the
-final gradient shard in the compiled backward (``fp32_accumulate``: sink + this backward's reduced
-chunk), so the squares can be taken there, in the same fused pass over the shard (the ``fold_norm``
-pass, DeepSpeed's formula: each parameter's piece of this rank's partition normed in fp64, padding
-excluded, squared, summed, cast to fp32). Right after the compiled backward returns, the runtime
-issues one asynchronous all-reduce of those few scalars (one per param group) and the lean step
-waits for it: by then it has long finished, so ``step()`` no longer blocks on a collective of its
-own.
+DeepSpeed's ``step()`` starts with a blocking all-reduce of every param group's squared gradient
+norm. The compiled backward already computes the final shard (fp32_accumulate), so the fold_norm
+pass takes the squares in the same fused pass, and right after the backward the runtime issues one
+asynchronous all-reduce of those scalars, long finished when ``step()`` reads them.
 
-The norm must be the norm of the *final* gradient at the optimizer boundary. The squares read the
-whole shard after this backward's write, so they include every earlier contribution (earlier
-micro-steps, other graphs, the eager safety net). They are stale as soon as anything writes the
-shard again. So every writer bumps ``writes`` (`EngineState.write_sinks`: compiled
-backwards, the eager safety net, ZeRO-1's boundary flush), a folded norm records the count it was
-computed at, and the lean step uses it only if nothing wrote since; otherwise (a safety-net
-gradient after the last compiled backward, a graph that does not reach every param group, a
-ZeRO-1 window flushed in ``step()``) it falls back to the blocking all-reduce of DeepSpeed's
-formula. The decision is the same on every rank: the writes are the same collective-issuing code
-paths on every rank (the rank-agreement exchange checks them).
+The norm must be that of the *final* gradient at the optimizer boundary, so every writer of the
+shard bumps ``writes`` (`EngineState.write_sinks`), a folded norm records the count it was computed
+at, and the step uses it only if nothing wrote since; otherwise it falls back to DeepSpeed's
+blocking all-reduce. The decision is the same on every rank: the writes are the same
+collective-issuing code paths everywhere (the rank-agreement exchange checks them).
 """
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """Partial gradient sums: gradients kept on this rank now and reduced once later, together with
-whatever a later graph adds.
+whatever a later graph adds. One concept serves three cases:
 
-One concept serves three cases:
+- a ZeRO-1 accumulation window (gas > 1): DeepSpeed eager reduces only at the boundary;
+- ZeRO-1/2 engines two graphs of one backward reach (a graph break): the last graph reduces the
+  sum, as eager autograd sums a leaf's gradients before DeepSpeed's hook reduces them once;
+- ZeRO-3 engines two graphs of one backward reach: the same, per parameter (padded full gradient).
 
-- a ZeRO-1 accumulation window (gas > 1): DeepSpeed eager ZeRO-1 lets micro-steps accumulate in
-  the full-size ``.grad`` and reduces at the boundary; graphzero keeps the window's sum here;
-- ZeRO-1/2 engines two graphs of one backward reach (a graph break between two calls of an
-  engine): the first graph keeps, the last one reduces the sum, as eager autograd sums a leaf's
-  gradients before DeepSpeed's hook reduces them once;
-- ZeRO-3 engines two graphs of one backward reach: the same, with each parameter's padded full
-  gradient (``world x`` its shard) kept until the reduce-scatter of the last graph.
-
-Storage follows the engine's layout: ZeRO-1/2 keep one flat buffer per param group, laid out like
-the flat group (key: the group index); ZeRO-3 keep one buffer per parameter (key: ``(group,
-position)``). Flat sums are scaled as they are added (the micro-steps of a window may be launched
-differently, e.g. ``engine.backward`` divides the loss by gas itself); per-parameter sums are
-scaled when reduced, by the factor of the backward that kept them.
-
-Memory: what eager autograd would hold for the same span (a window's full-size ``.grad``, a leaf's
-first gradient waiting in the autograd engine's input buffer for the last), and nothing once the
-sums are reduced. Nothing here knows about DeepSpeed or process groups.
+ZeRO-1/2 keep one flat buffer per param group (key: group index), scaled as added (a window's
+micro-steps may be launched differently); ZeRO-3 one buffer per parameter (key: ``(group,
+position)``), scaled when reduced. Memory: what eager autograd would hold for the same span.
+Nothing here knows about DeepSpeed or process groups.
 """
 from __future__ import annotations
 

@@ -1,25 +1,18 @@
 """The scope of one autograd backward: which engines it reached, and one callback that ends them.
 
-A graph break between two calls of an engine (``D(G(z))``, a break, ``D(real)``) gives two
-graphs, each with its own backward; eager autograd sums a parameter's gradients from both before
-DeepSpeed's hook reduces them once. So a backward must know whether another graph of the same
-backward will still reach a parameter: every training forward counts itself per parameter it
-reaches (`forward_ran`), every backward of it takes one off (`EngineState.backward_reaches`), and
-the graph that is not the last keeps its gradients as partial sums (runtime/partial.py).
+A graph break between two calls of an engine gives two graphs, each with its own backward; eager
+autograd sums a parameter's gradients from both before DeepSpeed's hook reduces them once. So every
+training forward counts itself per parameter it reaches (`forward_ran`), every backward takes one
+off (`EngineState.backward_reaches`), and a graph that is not the last keeps its gradients as
+partial sums (runtime/partial.py).
 
-`BackwardScope` is the one place that knows "this backward": the first compiled backward (or
-eager-safety-net reduction) of an autograd graph task opens it and queues exactly one callback
-for the task's end, which ends every engine the task reached, in attach order (the same on every
-rank, so the same flush collectives in the same order), and clears the forward counts of every
-engine counted since the last backward (a count no backward reaches, e.g. a generator's during a
-GAN's critic steps, must not make the next backward that reaches it keep its gradients).
-
-A count can be wrong only in a way that costs time, never gradients: a forward whose backward
-never runs makes a later graph keep gradients it could have reduced, and what is kept when the
-backward ends is reduced then. A backward that raised never runs its callback: the next task
-finds the scope still open under another task id and abandons it (`EngineState.backward_abandoned`).
-
-The module's one piece of state is the scope the next (or running) backward belongs to.
+`BackwardScope`: the first compiled backward (or safety-net reduction) of an autograd graph task
+opens it and queues one callback for the task's end, which ends every engine the task reached in
+attach order (the same flush collectives on every rank) and clears the forward counts since the
+last backward (a count no backward reaches, e.g. a generator's during a GAN's critic steps, must
+not make the next backward keep its gradients). A wrong count costs time, never gradients. A
+backward that raised never runs its callback: the next task abandons the scope
+(`EngineState.backward_abandoned`).
 """
 from __future__ import annotations
 

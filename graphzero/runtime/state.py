@@ -1,13 +1,10 @@
 """One engine's run-time state: everything about its gradient that changes between the compiled
 backward and its optimizer step, and the one place that changes it.
 
-The compiled backward (runtime/backward.py) asks an `EngineState` which mode this backward's graph
-runs in (`mode`, a pure query), which tensors to pass for the engine's run-time inputs
-(`before_graph`), and tells it when the graph ran (`after_graph`). The backward's scope
-(runtime/scope.py) ends it when the autograd backward ends (`end_backward`); the adapter's
-``step()`` and ``zero_grad()`` call `before_step` / `after_step` / `zero_grad`. What the engine's
-optimizer reads (its shard buffers, its "has a gradient" flags, the run-time averaging factor) is
-behind `EngineBinding`, which the DeepSpeed adapter implements.
+The compiled backward asks an `EngineState` for the mode (`mode`), its run-time inputs
+(`before_graph`) and reports the run (`after_graph`); the backward's scope ends it
+(`end_backward`); the adapter's ``step()`` and ``zero_grad()`` call `before_step` / `after_step` /
+`zero_grad`. What the optimizer reads is behind `EngineBinding`, implemented by the adapter.
 """
 from __future__ import annotations
 
