@@ -43,10 +43,8 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     if opts.engines:
         late = [name for name, engine in opts.engines if deepspeed_adapter.binding_of(engine) is None]
         if late:
-            # Normally the engines were attached before tracing (graphzero.backend(...), graphzero.attach,
-            # or early_attach's compile-start callback). Without that, Dynamo may have run parts of this
-            # first call through DeepSpeed's own hooks: refuse, on every rank, rather than compile a
-            # first step that differs from every later one.
+            # Engines not attached before tracing: Dynamo may have run parts of this first call
+            # through DeepSpeed's own hooks. Refuse, on every rank.
             raise AttachTooLateError(
                 f"engine(s) {late} in options['engines'] were not attached before Dynamo traced the step "
                 "(graphzero's compile-start callback is not installed). Use torch.compile(step, "
@@ -55,9 +53,8 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         bindings = deepspeed_adapter.attach(opts.engines, **opts.step_settings)
     else:
         bindings = []
-    # Engines attached earlier (by another graph's options or graphzero.attach) whose parameters
-    # this graph uses are reduced here too, not by the eager safety net (e.g. a GAN's G-step graph
-    # that lists only the generator but runs through the discriminator).
+    # Engines attached earlier whose parameters this graph uses are reduced here too (e.g. a GAN's
+    # G-step graph that lists only the generator but runs through the discriminator).
     bindings += [b for b in _attached_bindings(example_inputs) if b not in bindings]
     ownership = Ownership.build(example_inputs, [b.param_set for b in bindings])
     graph_id = _graph_id()
@@ -213,8 +210,6 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], t: Back
                                       training=not kwargs.get("is_inference", False))
 
         def compile_backward(graph: fx.GraphModule, inputs: list[Any], ctx: PassContext):
-            # inductor_config says which of inductor's own comm passes run on graphzero's graphs, and why;
-            # inductor_guards adds the switches that avoid a known torch < 2.15 CPU miscompile
             overlap = t.opts.overlap and bool(ctx.runtime_inputs)
             patches = {**inductor_guard_patches(device_type=device_type_of(inputs)),
                        **inductor_patch(backward=True, overlap=overlap, gathers=t.gathers)}

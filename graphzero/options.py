@@ -15,10 +15,8 @@ DUMP_RANKS = ("0", "all")
 
 
 class DefaultName(str):
-    """The label of an engine given without a name (``engines=[...]``, positional arguments):
-    ``engineI`` for its position I, used in errors about the list itself. Attaching gives the
-    engine a name of its own (deepspeed_adapter/names.py: the one it has while attached, else the
-    next ``engineK`` this process never gave another engine), which may differ from the label."""
+    """The label ``engineI`` of an engine listed without a name, for errors about the list; attaching
+    may give the engine another name (deepspeed_adapter/names.py)."""
 
     __slots__ = ()
 
@@ -32,30 +30,20 @@ class Options:
     inner: ``"inductor"`` compiles the transformed graphs with inductor, ``"eager"`` runs them as FX.
     bucket_size: elements per reduction bucket; None means each engine's
         ``zero_optimization.reduce_bucket_size``.
-    collective: how a bucket is reduced to each rank's shard: ``"reduce_scatter"`` (the backend's
-        own), ``"all_to_all"`` (each rank sends its peers their chunks and sums what it receives:
-        the reduce-scatter's bytes on a backend without one), ``"all_reduce"`` (ZeRO-1/2: then
-        each rank keeps only its shard). ``"auto"``: reduce-scatter, all-to-all on gloo (whose
-        reduce-scatter is an all-reduce underneath).
+    collective: how a bucket is reduced to each rank's shard: ``"reduce_scatter"``,
+        ``"all_to_all"`` (and a local sum), ``"all_reduce"`` (ZeRO-1/2). ``"auto"``: reduce-scatter,
+        all-to-all on gloo (whose reduce-scatter is an all-reduce underneath).
     overlap: issue each bucket's collective as soon as its gradients exist and wait as late as
         possible; off waits right after issuing.
     dump_dir / dump_ranks: where and from which ranks to write the graph dump (docs/dump-format.md).
     fault_timeout_s: how long a rank waits for its peers at the start of each backward before
         raising RankFaultError (a peer that raised, or whose compile failed); None: the process
         group's own timeout.
-    lean_step: ZeRO-1/2 engines' ``optimizer.step()`` runs graphzero's lean step (one norm
-        all-reduce, clip, fused Adam, copy, all-gather; deepspeed_adapter/step/lean.py) where the
-        config allows, DeepSpeed's own otherwise; ZeRO-3 engines keep DeepSpeed's step with its
-        clip and torch Adam call fused (deepspeed_adapter/step/zero3_update.py). None (default): on;
-        False: DeepSpeed's own step.
-    defer_param_gather: the lean step launches the all-gather of the updated parameters without
-        waiting; the next graphzero forward waits for it just before first use, and module calls,
-        ``state_dict``, checkpoints, ``parameters()`` of the engine and its module, ``detach`` and
-        ``graphzero.wait_params`` wait too. A parameter tensor kept from before ``step()`` and read
-        directly (an EMA loop over a saved list) is not guarded: call ``graphzero.wait_params``
-        first. None (default): off; needs lean_step.
-    Both need ``engines``, and set theirs: the first value given sets an engine's (logged), another
-    value later is an OptionError, leaving them out changes nothing (deepspeed_adapter/step/).
+    lean_step: graphzero's optimizer step where the config allows (deepspeed_adapter/step/).
+        None (default): on; False: DeepSpeed's own step.
+    defer_param_gather: the lean step leaves the parameters' all-gather in flight, and their
+        readers wait for it (deepspeed_adapter/step/deferred.py). None (default): off.
+    Both need ``engines``, and are set once per engine (step.settle).
     disable_passes: optional passes (``passes.OPTIONAL_PASSES``: ``schedule_overlap``,
         ``write_into_bucket``) left out of the backward pipeline, for debugging; gradients are the same.
     """

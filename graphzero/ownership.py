@@ -35,8 +35,7 @@ class FlatGroup:
     presharded: bool = False
     shard_sizes: tuple[int, ...] = ()   # presharded: elements of each parameter's shard
     full_numels: tuple[int, ...] = ()   # presharded: elements of each parameter, whole
-    # presharded: parameters the engine keeps gathered (ZeRO-3 persistence threshold): their gathered
-    # value is saved for backward instead of gathered again
+    # presharded: parameters the engine keeps gathered (ZeRO-3 persistence threshold)
     persistent: tuple[bool, ...] = ()
 
     def shard_numel(self, world_size: int) -> int:
@@ -54,9 +53,7 @@ class FlatGroup:
 class ParamSet:
     """The layout of one engine's gradients: the parameters it owns, how their gradients are
     reduced and where this rank's shard of each param group lives. Immutable: what changes while
-    training (buffers, partial sums, counts, the folded norm) is the engine's run-time state
-    (graphzero/runtime/state.py). Passes read layouts; the adapter builds them (a rename makes a
-    new one)."""
+    training is in runtime/state.py."""
 
     name: str
     stage: int
@@ -71,25 +68,20 @@ class ParamSet:
     # 1/(world x gas) when the layout was built; the run-time factor is the binding's runtime_scale()
     grad_scale: float
     backend: str
-    # the engine's device: every buffer its collectives read or write is created here (devices.py)
+    # where every buffer its collectives read or write is created (devices.py)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     # the dtype of a partial gradient sum (runtime/partial.py): ZeRO-1/2 the accumulation dtype,
     # ZeRO-3 the dtype of the gathered parameters' full gradients; None: accum_dtype
     partial_dtype: torch.dtype | None = None
-    # ZeRO-3 shard maps, read when a graph is compiled (shards may be re-created, requires_grad may
-    # change): the graph inputs standing in for owned parameters, {id(shard): (group, position)};
-    # the engine's parameters gathered without an engine gradient (a LoRA base, requires_grad off),
-    # {id(shard): (name, persistent)}
+    # ZeRO-3 shard maps, read when a graph is compiled (shards may be re-created): owned shards,
+    # {id(shard): (group, position)}; shards gathered without a gradient, {id(shard): (name, persistent)}
     shard_inputs: Callable[[], dict[int, tuple[int, int]]] | None = None
     frozen_shards: Callable[[], dict[int, tuple[str, bool]]] | None = None
     # ZeRO-3: gathered elements per parameter all-gather (bucket_gathers); None: bucket_numel
     gather_bucket_numel: int | None = None
-    # ZeRO-3: whether a gather bucket is issued before the previous bucket's wait (prefetch depth
-    # one) or at its own use (the engine's config turned prefetching off)
+    # ZeRO-3: a gather bucket is issued before the previous bucket's wait (prefetch), else at its use
     gather_ahead: bool = True
-    # ZeRO-3: how far ahead (elements) DeepSpeed keeps a parameter gathered for its next use: a
-    # parameter whose backward use comes within it stays gathered from the forward (release.py);
-    # 0: every parameter is gathered again in backward
+    # ZeRO-3: how far ahead (elements) DeepSpeed keeps a parameter gathered for its next use (release.py)
     reuse_distance: int = 0
 
     def __post_init__(self) -> None:
