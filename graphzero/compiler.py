@@ -1,9 +1,8 @@
 """The ``graphzero`` torch.compile backend.
 
 Data flow: Dynamo FX graph -> ownership (graph inputs -> engine layouts) -> AOT autograd -> the
-pass pipelines (passes/__init__.py) -> inner compiler (inductor or eager FX) -> the run time
-(graphzero/runtime/: each call gets each engine's shard buffers appended to its arguments, and
-the compiled backward writes the reduced, scaled fp32 shards into them). docs/architecture.md.
+pass pipelines (passes/__init__.py) -> inner compiler -> the run time (graphzero/runtime/).
+See docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -170,11 +169,9 @@ class BackwardTransform:
 
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  compile_fn: Callable[[fx.GraphModule, list[Any], PassContext], Any]):
-        """Transform and compile the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
-        compiler) and wrap it: one variant per mode of its engines (runtime/backward.py: a ZeRO-1
-        accumulation window, gradients kept for a later graph of the same backward), each compiled
-        when first needed; the plain one is compiled now, as any backward, unless a ZeRO-1 window
-        makes it unlikely to run."""
+        """Transform, compile and wrap the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
+        compiler): one variant per mode of its engines (runtime/backward.py), each compiled when
+        first needed; the plain one now, unless a ZeRO-1 window makes it unlikely to run."""
         def compile_variant(gm: fx.GraphModule, modes: Modes | None = None, dump: GraphDump | None = None):
             gm, ctx = self.transform(gm, example_inputs, modes, dump)
             return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)

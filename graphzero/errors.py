@@ -60,10 +60,8 @@ class RankFaultError(GraphZeroError):
 
 
 class VersionError(GraphZeroError, ImportError):
-    """The installed torch or DeepSpeed is outside the range graphzero is tested with (raised at import).
-
-    ``package``, ``version`` and ``tested`` (a pip specifier such as ``>=2.13,<2.14``) name what is wrong.
-    """
+    """The installed torch or DeepSpeed (``package``, ``version``) is outside the ``tested`` range
+    (a pip specifier such as ``>=2.13,<2.14``); raised at import."""
 
     def __init__(self, message: str, *, package: str, version: str, tested: str) -> None:
         super().__init__(message)

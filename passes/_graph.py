@@ -129,12 +129,9 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 
 
 def drop_outputs(gm: fx.GraphModule, slots: list[int]) -> None:
-    """Return None in place of the graph outputs at ``slots``.
-
-    Inductor's compile_fx marks the backward's outputs "user visible" (output meta
-    ``user_visible_output_idxs``) before graphzero's passes run, and on a GPU its padding pass
-    (mark_nodes_dislike_padding, skipped for CPU inputs) reads every marked output as a node: a
-    marked None crashed the first compile on a GPU. A dropped output is no longer visible."""
+    """Return None in place of the graph outputs at ``slots``, and unmark them as user visible
+    (``user_visible_output_idxs``): on a GPU inductor's padding pass reads every marked output as a
+    node, and a marked None crashed the first compile."""
     out = output_node(gm)
     values = list(out.args[0])
     for slot in slots:
@@ -171,10 +168,8 @@ class Inserter:
 
 
 def placeholder_target(graph: fx.Graph, name: str) -> str:
-    """``name`` as a placeholder target FX code generation accepts: the generated function takes
-    it as an argument, so it must be an identifier and unique among the graph's names. Engine
-    names are the user's (``{"gen-1": ...}``), so characters that are not ``[A-Za-z0-9_]`` become
-    ``_`` and a name already in the graph gets ``_1``, ``_2``, ..."""
+    """``name`` as a placeholder target FX accepts: an identifier unique in the graph (other
+    characters become ``_``, a taken name gets ``_1``, ``_2``, ...)."""
     ident = re.sub(r"\W", "_", name, flags=re.ASCII)
     if not ident.isidentifier() or keyword.iskeyword(ident):
         ident = "_" + ident

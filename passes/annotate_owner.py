@@ -1,9 +1,8 @@
 """annotate_owner: find each owned parameter's gradient among the backward graph's outputs.
 
-Inserts nothing. AOT autograd's backward returns one slot per flat forward input; the output
-node's ``meta["desc"][k]`` says which input slot k is the gradient of (``GradAOTOutput(grad_of=
-PlainAOTInput(idx=i))``). Slots whose input is a parameter some engine owns (or, ZeRO-3, its shard) become
-``ctx.grads``; the gradient node is tagged ``meta["graphzero_owner"]`` with the parameter's name.
+Inserts nothing. The output node's ``meta["desc"][k]`` says which forward input slot k is the
+gradient of; slots of owned parameters (ZeRO-3: shards) become ``ctx.grads``, the gradient node
+tagged ``meta["graphzero_owner"]`` with the parameter's name.
 """
 from __future__ import annotations
 

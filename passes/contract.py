@@ -1,9 +1,6 @@
-"""Pass contracts: what each pass requires from the passes before it and what it provides to those
-after it, as named facts; ``check_pipeline`` checks an order against them.
-
-A fact holds once a pass provides it, until a pass that invalidates it runs (a pass that rewrites
-the gradient outputs leaves the nodes in ``ctx.grads`` stale). The pipelines in ``__init__.py`` are
-checked at import; a misordered one raises `PipelineOrderError` naming the pass and the fact.
+"""Pass contracts: what each pass requires from the passes before it and provides to those after
+it, as named facts (a fact holds until a pass invalidates it). The pipelines in ``__init__.py``
+are checked at import; a misordered one raises `PipelineOrderError`.
 """
 from __future__ import annotations
 

@@ -52,14 +52,10 @@ def _bucket_pieces(ins: Inserter, ctx: PassContext, ps: ParamSet, g: int, shard:
 
 def _add_into(ins: Inserter, ps: ParamSet, target: fx.Node, delta: fx.Node, scale: fx.Node | None,
               what: str) -> fx.Node:
-    """Upcast ``delta`` to the accumulation dtype, scale it (unless already scaled), add it to
-    ``target`` (the sink or a slice of it) and write the sum back; returns a node reading ``target``
-    as written, for fold_norm.
-
-    The whole sink is written with ``_foreach_copy_``, which inductor lowers by computing the sum
-    straight into the sink. Its ``copy_`` lowering instead first materialises a sum that reads
-    several buffers in a buffer of its own and copies that: a write and a read of the whole shard
-    more, per engine and backward. A slice of the sink (ZeRO-3) keeps ``copy_``."""
+    """Add ``delta`` (upcast, scaled unless already) to ``target`` (the sink or a slice of it) and
+    write it back; returns a node reading ``target`` as written, for fold_norm. The whole sink is
+    written with ``_foreach_copy_``, which inductor lowers straight into the sink; its ``copy_``
+    lowering would materialise the sum first (a write and a read of the shard more)."""
     if ps.comm_dtype != ps.accum_dtype:
         delta = ins.call(torch.ops.prims.convert_element_type.default, (delta, ps.accum_dtype), engine=ps.name,
                          why=f"upcast reduced shard to {ps.accum_dtype}")

@@ -1,12 +1,9 @@
 """schedule_gathers: each ZeRO-3 parameter's gathered tensor waited for just before its first use.
 
-Runs on the forward graph, and on the backward graph (where the release pass made the partitioner
-recompute the gathers). Finds the gathers the release pass tagged and moves each ``wait_tensor``
-(with the views of the gathered tensor) down to just before the first use of the parameter, so the
-collective is in flight during the compute before it. Inserts nothing.
-
-Where each collective is issued, and how gathers are merged into buckets, is bucket_gathers' job
-(the next pass): it relies on the waits sitting at first use, in first-use order.
+Runs on the forward and backward graphs. Moves the ``wait_tensor`` of each gather the release pass
+tagged (with the views of the gathered tensor) down to just before the parameter's first use, so
+the collective is in flight during the compute before it. Inserts nothing; bucket_gathers (next)
+relies on the waits sitting at first use, in first-use order.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """schedule_overlap: let collectives run while the rest of backward computes.
 
-insert_reduce_scatter issues each bucket's collective right after its last gradient and waits
-immediately. With ``overlap`` on, this pass moves every ``wait_tensor`` graphzero inserted down to
-just before its first user (the accumulation at the end of the graph), so the collective is in
-flight during the remaining backward compute. Inserts nothing. Inductor may reorder further; its
-comm passes recognise the same functional collectives.
+With ``overlap`` on, moves every ``wait_tensor`` graphzero inserted down to just before its first
+user, so the collective is in flight during the remaining backward compute. Inserts nothing.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """sum_shard_grads: a ZeRO-3 parameter used several times in one graph is reduce-scattered once.
 
-Runs on the backward graph first among the shard-gradient passes. A parameter gathered more than
-once in the graph (an engine called twice: a GAN's discriminator) gets one reduce-scatter per
-gather, and autograd adds the reduced shards. The reduce-scatter is linear, so reduce the sum
-instead: one reduce-scatter of the summed full gradient, as DeepSpeed reduces the accumulated
-``.grad`` once (bytes per step = DeepSpeed's).
-
-  ``add(wait(rs(a)), wait(rs(b)))`` -> ``wait(rs(a + b))``, repeated for three or more calls.
-
-Calls in different graphs of one backward are summed by hold_shard_grads instead.
+A parameter gathered more than once in the graph (a GAN's discriminator called twice) gets one
+reduce-scatter per gather. The reduce-scatter is linear, so reduce the sum instead, as DeepSpeed
+reduces the accumulated ``.grad`` once:
+``add(wait(rs(a)), wait(rs(b)))`` -> ``wait(rs(a + b))``. Calls in different graphs of one backward
+are summed by hold_shard_grads instead.
 """
 from __future__ import annotations
 
