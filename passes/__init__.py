@@ -33,27 +33,12 @@ from .write_into_bucket import write_into_bucket
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
-# Order matters: each pass relies on what the previous ones put in the context or the graph, as
-# its contract says (``@pass_contract``: the facts it requires and provides, passes/contract.py);
-# the order below is checked against the contracts at import.
-#   local_accumulate: ZeRO-1 with gas > 1, or a ZeRO-1/2 engine another graph of the same backward
-#   reaches again, keeps the gradients local and drops their buckets, or feeds the local sum to them;
-#   fold_norm: the squared norm of each accumulated shard, for the lean step or ZeRO-3's step;
-#   lower_reduce_scatter (gloo: each reduce-scatter as an all-to-all + sum) where the waits stand;
-#   write_into_bucket (matmul gradients computed into the bucket) last.
+# Order matters: each order below is checked against the passes' contracts (contract.py) at import.
 PIPELINE: tuple[Pass, ...] = (annotate_owner, bucket, local_accumulate, insert_reduce_scatter, fp32_accumulate,
                               fold_norm, schedule_overlap, lower_reduce_scatter, write_into_bucket)
-# release tags the ZeRO-3 gathers DeepSpeed would not keep for recomputation: the partitioner then
-# saves their shards, not the parameters.
 JOINT_PIPELINE: tuple[Pass, ...] = (release,)
-# wait_params: ZeRO-1/2 parameters wait for a deferred all-gather before their first read;
-# schedule_gathers_forward needs release's tags (the partitioner copies them into the forward graph);
-# bucket_gathers_forward needs the waits at first use, in first-use order (schedule_gathers).
 FORWARD_PIPELINE: tuple[Pass, ...] = (wait_params, schedule_gathers_forward, bucket_gathers_forward)
-# ZeRO-3 backward: the recomputed gathers are scheduled and bucketed like the forward ones; then a
-# parameter's gradients in this graph are summed into one reduce-scatter (sum_shard_grads), held
-# for or summed with those of other graphs of the same backward (hold_shard_grads, only in the
-# variants that need it) and bucketed (bucket_shard_grads), all before annotate_owner reads the outputs.
+# ZeRO-3 backward: runs before PIPELINE (annotate_owner reads the outputs these passes rewrite).
 ZERO3_BACKWARD: tuple[Pass, ...] = (schedule_gathers_backward, bucket_gathers_backward, sum_shard_grads,
                                     hold_shard_grads, bucket_shard_grads)
 # passes the option ``disable_passes`` may leave out (debugging): nothing requires what they provide

@@ -1,8 +1,5 @@
-"""What the passes share: the pass context and one helper that inserts FX nodes.
-
-Every inserted node gets its fake value in ``meta["val"]`` (so later passes and inductor can reason
-about it) and ``meta["graphzero"] = {"pass", "engine", "why"}`` (so the dump can say who inserted
-it for which engine and why).
+"""What the passes share: the pass context and one helper that inserts FX nodes, each with its fake
+value in ``meta["val"]`` and ``meta["graphzero"] = {"pass", "engine", "why"}`` for the dump.
 """
 from __future__ import annotations
 

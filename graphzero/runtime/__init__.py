@@ -1,11 +1,7 @@
-"""The run time of an engine's gradient, between the compiled backward and ``engine.step()``.
-
-- `EngineState` (state.py): one per attached engine, the only owner of what changes while
-  training: its partial sums (partial.py), folded norm (norm.py), pending-forward counts and
-  whether it received a gradient; the adapter implements `EngineBinding` for it.
-- `BackwardScope` (scope.py): one per autograd backward; ends every engine it reached.
-- `Backward` / `GraphBackward` / `CountForwards` (backward.py): the compiled graphs as called at
-  run time: variant dispatch, run-time inputs, forward counts.
+"""The run time of an engine's gradient, between the compiled backward and ``engine.step()``:
+`EngineState` (state.py, one per attached engine: partial sums, folded norm, forward counts),
+`BackwardScope` (scope.py, one per autograd backward) and the compiled graphs as called at run
+time (backward.py).
 """
 from .backward import Backward, CountForwards, GraphBackward, Modes, label
 from .norm import FoldedNorm

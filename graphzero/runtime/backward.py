@@ -100,9 +100,8 @@ class GraphBackward:
         self.present = {ps: [g.owned.param for g in ctx.grads if g.owned.param_set is ps] for ps in layouts}
         partial = {ps: ctx.partial_grads.get(ps, []) for ps in layouts}
         self.positions = {ps: tuple((o.group, o.position) for o in partial[ps]) for ps in layouts}
-        # The tensor hooks each owned parameter had when this graph was compiled: ZeRO-1/2 leave a
-        # hooked parameter to autograd (ownership.py), ZeRO-3 runs its hooks in the gather's backward
-        # (zero3_module.py); a hook added or removed since would be dropped or run wrongly.
+        # The tensor hooks each owned parameter had when this graph was compiled: a hook added or
+        # removed since would be dropped or run wrongly.
         self.hooks_compiled = [(g.owned.param, g.owned.qualname, _hook_ids(g.owned.param)) for g in ctx.grads]
         # the leaves autograd would accumulate into: the reduced ones, and those kept for later
         reached = {ps: list({id(o): o for o in [g.owned for g in ctx.grads if g.owned.param_set is ps]

@@ -54,9 +54,7 @@ class FoldedNorm:
             work = dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
             if torch._C._autograd._profiler_enabled():
                 # A gloo collective launched in a torch.profiler session and finished after it
-                # stops crashes the process (torch 2.13; the lean step's deferred gather has the
-                # same rule): a backward profiled on its own (tests count collectives that way)
-                # segfaulted a rank once in a full suite run. Finish it inside the session.
+                # stops crashes the process (torch 2.13): finish it inside the session.
                 work.wait()
         self._pending = (writes, squares, work)
 

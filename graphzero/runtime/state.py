@@ -84,8 +84,7 @@ class EngineState:
     def __init__(self, layout: ParamSet, binding: EngineBinding, window: bool = False) -> None:
         self.layout = layout
         self.binding = binding
-        # ZeRO-1: with gas > 1 a window's micro-steps stay local until its boundary (DeepSpeed eager
-        # ZeRO-1 reduces only there); ZeRO-2 and ZeRO-3 reduce every micro-step
+        # ZeRO-1: with gas > 1 a window's micro-steps stay local until its boundary
         self.window = window
         self.partial = PartialSums(layout)
         # set while the engine's optimizer step reads a norm folded into the backward (norm.py)
@@ -183,9 +182,8 @@ class EngineState:
         return self.binding.sinks()
 
     def end_backward(self) -> None:
-        """The autograd backward ended: reduce what no graph reduced (a graph kept its gradients for
-        one that never ran, eager-safety-net gradients), unless a ZeRO-1 window is still open, so
-        that the gradients are complete when the backward returns, as after DeepSpeed's."""
+        """The autograd backward ended: reduce what no graph reduced, unless a ZeRO-1 window is still
+        open, so that the gradients are complete when the backward returns, as after DeepSpeed's."""
         self.forwards.clear()
         if self.partial.pending and not (self.window and not self.binding.at_boundary()):
             self.flush()
