@@ -152,9 +152,7 @@ class Ownership:
                 where = ps.locate(x) if isinstance(x, torch.nn.Parameter) else None
                 if where is not None and not ps.groups[where[0]].presharded:
                     # A tensor hook must see this rank's gradient before the reduction, as under
-                    # DeepSpeed eager: the gradient leaves the graph, autograd runs the hook, and
-                    # the binding's post-accumulate hook reduces the result (ZeRO-3 applies the
-                    # hook in the gather's backward instead: zero3_module.py).
+                    # DeepSpeed eager: the gradient leaves the graph and the safety net reduces it.
                     if not has_tensor_hooks(x):
                         owned[i] = OwnedInput(i, ps, *where, leaf=x)
                     break

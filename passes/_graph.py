@@ -85,8 +85,7 @@ class PassContext:
     reduced: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
     # placeholders appended to the backward graph, in order (the run time supplies each per call)
     runtime_inputs: list[RuntimeInput] = dataclasses.field(default_factory=list)
-    # the variant being compiled: engines whose gradients are kept or reduced with their partial
-    # sums (local_accumulate: ZeRO-1/2, hold_shard_grads: ZeRO-3); engines not listed reduce
+    # the variant being compiled: engines whose gradients are kept or reduced with partial sums
     modes: dict[ParamSet, Mode] = dataclasses.field(default_factory=dict)
     # per engine with a mode, the owned inputs whose gradients went into or came with a partial sum
     partial_grads: dict[ParamSet, list[OwnedInput]] = dataclasses.field(default_factory=dict)
@@ -94,15 +93,12 @@ class PassContext:
     folds_norm: frozenset[ParamSet] = frozenset()
     # per ParamSet (by identity: two engines may share a name): counters the dump reports
     stats: dict[ParamSet, dict[str, Any]] = dataclasses.field(default_factory=lambda: defaultdict(dict))
-    # ZeRO-3 collectives in graph order, one entry per parameter all-gather ("fwd"/"bwd") or shard
-    # gradient reduce-scatter ("grad"): (side, engine, group, world, ((param, shard numel), ...));
-    # nothing rank-specific
+    # ZeRO-3 collectives in graph order ("fwd"/"bwd" gathers, "grad" reduce-scatters):
+    # (side, engine, group, world, ((param, shard numel), ...)); nothing rank-specific
     zero3_plan: list[tuple] = dataclasses.field(default_factory=list)
-    # (param set, group) -> the node holding that group's whole gradient shard after this backward's
-    # accumulation (fp32_accumulate); fold_norm takes its squared norm
+    # (param set, group) -> that group's accumulated shard (fp32_accumulate), for fold_norm
     accumulated: dict[tuple[ParamSet, int], fx.Node] = dataclasses.field(default_factory=dict)
-    # ZeRO-3 (param set, group) -> each parameter's piece of the group's shard after this backward's
-    # accumulation, in group order; only when every parameter of the group has a gradient here
+    # ZeRO-3: the same per parameter, in group order; only when every parameter has a gradient here
     accumulated_pieces: dict[tuple[ParamSet, int], list[fx.Node]] = dataclasses.field(default_factory=dict)
 
     @property
