@@ -1,16 +1,13 @@
-"""graphzero's exceptions.
-
-Every error a user can cause is a :class:`GraphZeroError`, raised at compile time or at the first
-call, before any collective runs, and names the option, engine or parameter at fault.
+"""graphzero's exceptions. Every error a user can cause is a :class:`GraphZeroError`, raised before
+any collective runs, naming the option, engine or parameter at fault.
 """
 from __future__ import annotations
 
 from torch._dynamo.exc import ShortenTraceback
 
 
-# Dynamo wraps any exception a backend raises in BackendCompilerFailed, except ShortenTraceback
-# subclasses, which it re-raises as they are. Deriving from it lets `except GraphZeroError` work
-# around a torch.compile'd call.
+# Dynamo wraps a backend's exceptions in BackendCompilerFailed, except ShortenTraceback subclasses:
+# `except GraphZeroError` then works around a torch.compile'd call.
 class GraphZeroError(ShortenTraceback):
     """Base class of graphzero's user-facing errors."""
 

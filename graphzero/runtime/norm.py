@@ -28,10 +28,9 @@ class FoldedNorm:
         self.process_group = process_group
         self.at_boundary = at_boundary
         self.writes = 0
-        # (writes when computed, squares per group (fp32, summed over ranks once work is done), work)
+        # (writes when computed, squares per group (summed over ranks once work is done), work)
         self._pending: tuple[int, torch.Tensor, object] | None = None
-        # counters for tests and the benchmark: norms taken from the backward / computed in step()
-        self.folded = 0
+        self.folded = 0   # counters for tests and benchmarks: norms folded / computed in step()
         self.blocking = 0
 
     def wrote(self) -> None:

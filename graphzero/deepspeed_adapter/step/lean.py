@@ -229,8 +229,8 @@ def aliased(master: torch.Tensor, part: torch.Tensor) -> bool:
 
 
 def alias_masters(opt, ranks: list[int], ledger: PatchLedger) -> list[int]:
-    """Point each fp32 master at its partition of the flat buffer where both are fp32 on one device;
-    returns the groups aliased. ``ranks``: this rank in each group's data-parallel group."""
+    """Point each fp32 master at its partition of the flat buffer where both are fp32 on one device
+    (``ranks``: this rank per group); returns the groups aliased."""
     done = []
     for i, master in enumerate(opt.single_partition_of_fp32_groups):
         part = partition(opt, i, ranks[i])
