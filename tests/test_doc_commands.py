@@ -427,9 +427,17 @@ def made_demo() -> subprocess.CompletedProcess[str]:
 FULL_COMMANDS = [c for c, r in COMMANDS.items() if r.how == "full"]   # documented order: make demo first
 
 
+def short_id(command: str) -> str:
+    """A test id under pytest's 100 characters (longer ids become "commandN")."""
+    for part in ("--config_file ", "examples/accelerate_configs/", "examples/", "--standalone ",
+                 "--nproc-per-node 2 ", "--nproc_per_node 2 "):
+        command = command.replace(part, "")
+    return command
+
+
 @pytest.mark.skipif(not FULL, reason="GRAPHZERO_DOC_COMMANDS=full (make test-docs): minutes per command")
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("command", FULL_COMMANDS)
+@pytest.mark.parametrize("command", FULL_COMMANDS, ids=[short_id(c) for c in FULL_COMMANDS])
 def test_full_commands(command: str) -> None:
     spec = COMMANDS[command]
     if command == "make demo":
