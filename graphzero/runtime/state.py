@@ -136,8 +136,8 @@ class EngineState:
         """The tensors for this engine's run-time inputs of one compiled backward call. When the
         backward does not accumulate into the engine (``autograd.grad``, ``backward(inputs=...)``
         without it) they are scratch: the collectives still run on every rank, nothing is kept."""
-        device = self.layout.device
-        call = GraphCall(mode, positions, accumulating, self.scale_tensor(self.binding.runtime_scale()))
+        device, scale = self.layout.device, self.binding.runtime_scale()
+        call = GraphCall(mode, positions, accumulating, self.scale_tensor(scale))
         kinds = {s.kind for s in slots}
         if Slot.NORM in kinds:
             # the squares of this backward's final shards; scratch if nothing reads them
@@ -152,7 +152,7 @@ class EngineState:
             if s.kind is Slot.PARTIAL:
                 call.partial[s.key] = self.partial.buffer(s.key) if accumulating else self.partial.scratch(s.key)
         if accumulating and mode is Mode.KEEP:
-            self.partial.keeping(positions, self.binding.runtime_scale())
+            self.partial.keeping(positions, scale)
         return call
 
     def after_graph(self, call: GraphCall) -> None:
