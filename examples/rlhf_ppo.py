@@ -7,7 +7,11 @@ one added line is the backend of ``torch.compile``:
     torchrun --nproc_per_node 2 examples/rlhf_ppo.py --zero-stage 2       # trained engines ZeRO-2 (frozen ones ZeRO-3)
     torchrun --nproc_per_node 2 examples/rlhf_ppo.py --lora               # actor = LoRA adapters (peft) over a frozen base
 
-    step = torch.compile(ppo_loss, backend="graphzero", options={"engines": {"actor": actor, "critic": critic}})
+    step = torch.compile(ppo_loss, backend="graphzero",
+                         options={"engines": {"actor": actor, "critic": critic, "reference": reference, "reward": reward}})
+
+The reference and reward engines have no optimizer: graphzero attaches them frozen, so the
+reference's ZeRO-3 gathers are part of the compiled loss (one graph, no graph break).
 
 Without graphzero the loss would need ``actor.backward(loss); critic.backward(loss)`` (DeepSpeed
 refuses the second backward through the shared graph) or two losses. Tiny GPT-2 models built from a
@@ -174,7 +178,10 @@ def train(stage: int = 3, *, steps: int = 3, lora: bool = False, options: dict |
     eng = engines(build_models(lora=lora), stage)
     modules = {name: e.module for name, e in eng.items()}
     trained = {"actor": eng["actor"], "critic": eng["critic"]}
-    step = torch.compile(ppo_loss, backend="graphzero", options={"engines": trained, **(options or {})})
+    # The reference and reward engines have no optimizer: graphzero attaches them frozen, so the
+    # reference's ZeRO-3 gathers run inside the compiled loss (no DeepSpeed hook, no graph break)
+    # and the reward model's eager rollout calls gather as under DeepSpeed.
+    step = torch.compile(ppo_loss, backend="graphzero", options={"engines": eng, **(options or {})})
     history = {"loss": [], "sequences": []}
     for t in range(steps):
         ids, mask = prompts(t, rank)
@@ -193,7 +200,7 @@ def train(stage: int = 3, *, steps: int = 3, lora: bool = False, options: dict |
             f"critic {float(eng['critic'].get_global_grad_norm()):.4f}")
     import graphzero
 
-    for e in trained.values():
+    for e in eng.values():
         graphzero.detach(e)
     return history
 

@@ -10,7 +10,8 @@
             opt_g.step(); opt_d.step(); opt_g.zero_grad(); opt_d.zero_grad()
 
 Without it (accelerate 1.16) only the first prepared engine is ever stepped. ``enable`` makes
-**the optimizer step its engine**: each engine prepared with an optimizer is attached;
+**the optimizer step its engine**: each engine prepared with an optimizer is attached (one
+prepared without, a teacher, is attached frozen: its ZeRO-3 gathers run in graphzero's graphs);
 ``accelerator.backward`` is a plain ``loss.backward()``; ``optimizer.step()`` is ``engine.step()``
 every micro-batch with Accelerate's ``sync_gradients`` as the boundary, ``zero_grad()`` the
 engine's on a sync step. (Stepping in ``accelerator.backward`` would step D twice in a GAN whose
@@ -77,12 +78,15 @@ def enable(*accelerators: Any) -> dict[str, Any]:
         check_accelerator(accelerator)
         known = {engine: record.name for engine, record in _registry(accelerator).items()}
         found += deepspeed_models(accelerator, known)
-    for name, engine, _ in found:
-        check_gas(accelerators[0], name, engine)
+    for name, engine, optimizers in found:
+        if optimizers is not None:
+            check_gas(accelerators[0], name, engine)
     # Validates every engine (config, ownership, world size) before changing any of them.
     deepspeed_adapter.attach([(name, engine) for name, engine, _ in found])
     registry = _registry(accelerators[0])
     for name, engine, optimizers in found:
+        if optimizers is None:
+            continue   # frozen: no gradient for Accelerate's backward or clip to route
         record = registry.get(engine)
         if record is None:
             record = registry[engine] = _Model(name, engine)
@@ -93,7 +97,7 @@ def enable(*accelerators: Any) -> dict[str, Any]:
     for accelerator in accelerators:
         _patch_accelerator(accelerator)
     for name, engine, optimizers in found:
-        if not optimizers:
+        if optimizers == []:
             log.warning("graphzero.accelerate: model %r has no prepared optimizer; call engine.step() yourself", name)
     log.info("graphzero.accelerate: attached %s", [name for name, _, _ in found])
     return {name: engine for name, engine, _ in found}

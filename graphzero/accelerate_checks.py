@@ -9,6 +9,7 @@ import inspect
 import logging
 from typing import Any
 
+from .deepspeed_adapter.frozen import is_frozen
 from .errors import AccelerateError
 
 log = logging.getLogger("graphzero")
@@ -70,8 +71,9 @@ def describe(model: Any) -> str:
 
 
 def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str, Any, list]]:
-    """``(name, engine, [optimizer wrappers])`` of each trainable DeepSpeed model (``known``: engines
-    already enabled, which keep their names); refuses models and optimizers prepared without DeepSpeed."""
+    """``(name, engine, [optimizer wrappers])`` of each DeepSpeed model, ``None`` for the optimizers of one
+    prepared without an optimizer (frozen: deepspeed_adapter/frozen.py) (``known``: engines already
+    enabled, which keep their names); refuses models and optimizers prepared without DeepSpeed."""
     from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
     raw = getattr(accelerator.state, "deepspeed_plugins", None)
@@ -100,9 +102,9 @@ def deepspeed_models(accelerator: Any, known: dict[Any, str]) -> list[tuple[str,
             # Several models prepared under one plugin: model, model1, model2, ...
             name = next(f"{name}{k}" for k in range(1, len(taken) + 2) if f"{name}{k}" not in taken)
         taken[name] = engine
-        if engine.optimizer is None:
-            # Inference only (a teacher): nothing to reduce or step.
-            log.info("graphzero.accelerate: model %r has no optimizer (inference only); left to DeepSpeed", name)
+        if is_frozen(engine):
+            # Inference only (a teacher): attached frozen, nothing to reduce or step (optimizers None).
+            found.append((name, engine, None))
             continue
         optimizers = [opt for opt in accelerator._optimizers if opt.optimizer is engine.optimizer]
         found.append((name, engine, optimizers))

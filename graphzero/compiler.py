@@ -57,11 +57,12 @@ def graphzero_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     bindings += [b for b in _attached_bindings(example_inputs) if b not in bindings]
     ownership = Ownership.build(example_inputs, [b.param_set for b in bindings])
     graph_id = _graph_id()
+    deepspeed_adapter.warn_unattached_zero3(example_inputs, graph_id)
     dump = GraphDump.for_graph(opts, graph_id)
     if not ownership.inputs:
         log.info("graph %s uses no engine-owned parameters; compiling it unchanged", graph_id)
     used = {id(ps) for ps in ownership.param_sets}
-    unused = [b.name for b in bindings[:len(opts.engines)] if id(b.param_set) not in used]
+    unused = [b.name for b in bindings[:len(opts.engines)] if id(b.param_set) not in used and b.trains]
     if unused and ownership.inputs:
         log.warning("graph %s does not use engine(s) %s listed in options['engines']: this graph leaves their "
                     "gradient shards untouched", graph_id, unused)
@@ -104,8 +105,8 @@ class BackwardTransform:
         self.opts = opts
         self.dump = dump
         self.graph_id = graph_id
-        # ZeRO-3 shards among the inputs: the joint and forward graphs get passes too
-        self.gathers = any(o.shard for o in ownership.inputs.values())
+        # ZeRO-3 shards among the inputs (owned, or frozen): the joint and forward graphs get passes too
+        self.gathers = any(o.shard for o in ownership.inputs.values()) or bool(ownership.frozen)
         self.forward_ctx: PassContext | None = None
 
     def _context(self, example_inputs: Sequence[Any], modes: Modes | None = None) -> PassContext:
@@ -137,7 +138,7 @@ class BackwardTransform:
     def wrap_forward(self, compiled, training: bool):
         """ZeRO-3: the ranks agree on the forward's gathers before running it; a training forward
         counts itself for the engines whose gradients it will produce (runtime/scope.py)."""
-        if training and self.ownership.param_sets:
+        if training and self.ownership.trained:
             compiled = CountForwards(compiled, {self.states[ps]: pos for ps, pos in self.positions().items()})
         plan = self.forward_ctx.zero3_plan if self.forward_ctx is not None else []
         if not plan:
@@ -150,7 +151,7 @@ class BackwardTransform:
     def positions(self) -> dict[ParamSet, tuple[tuple[int, int], ...]]:
         """Per engine, the (group, position) of each of its parameters this graph reaches."""
         return {ps: tuple(sorted({(o.group, o.position) for o in self.ownership.inputs.values() if o.param_set is ps}))
-                for ps in self.ownership.param_sets}
+                for ps in self.ownership.trained}
 
     def transform(self, gm: fx.GraphModule, example_inputs: Sequence[Any], modes: Modes | None = None,
                   dump: GraphDump | None = None) -> tuple[fx.GraphModule, PassContext]:

@@ -104,7 +104,7 @@ class GraphDump:
             stats = ctx.stats.get(ps, {})
             name = ps.name if ps.name not in engines else f"{ps.name}#{len(engines)}"
             engines[name] = {
-                "stage": ps.stage, "params": len(owned), "numel": sum(_full_numel(o) for o in owned),
+                "stage": ps.stage, "frozen": not ps.groups, "params": len(owned), "numel": sum(_full_numel(o) for o in owned),
                 **{k: stats.get(k, 0) for k in ("buckets", "reduce_scatter", "all_reduce")},
                 "all_gather": stats.get("all_gather_fwd", 0) + stats.get("all_gather_bwd", 0),
                 # ZeRO-3 gathers per step, their bytes and peak alive; ZeRO-1 gas > 1 local accumulation

@@ -137,7 +137,7 @@ class Ownership:
 
     inputs: dict[int, OwnedInput]
     param_sets: tuple[ParamSet, ...]
-    # graph inputs that are frozen ZeRO-3 shards of an engine with owned inputs in this graph:
+    # graph inputs that are frozen ZeRO-3 shards (of a trained engine, or of a frozen one):
     # index -> (param set, parameter name, persistent)
     frozen: dict[int, tuple[ParamSet, str, bool]] = dataclasses.field(default_factory=dict)
 
@@ -160,20 +160,27 @@ class Ownership:
                 if where is not None:
                     owned[i] = OwnedInput(i, ps, *where, shard=True, leaf=x)
                     break
-        used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values()))
+        frozen = {}
+        for ps in param_sets:
+            shards = ps.frozen_shards() if ps.frozen_shards is not None else {}
+            for i, x in enumerate(example_inputs):
+                if i not in owned and isinstance(x, torch.Tensor) and id(x) in shards:
+                    frozen[i] = (ps, *shards[id(x)])
+        # engines whose gradients this graph produces, or whose frozen shards it gathers
+        used = tuple(ps for ps in param_sets if any(o.param_set is ps for o in owned.values())
+                     or any(f[0] is ps for f in frozen.values()))
         names = [ps.name for ps in used]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             # attach keeps names unique (deepspeed_adapter/names.py); plans and dumps key engines by name
             raise OwnershipError(f"engine name(s) {twice} belong to more than one engine in this graph")
         check_same_world(used)
-        frozen = {}
-        for ps in used:
-            shards = ps.frozen_shards() if ps.frozen_shards is not None else {}
-            for i, x in enumerate(example_inputs):
-                if i not in owned and isinstance(x, torch.Tensor) and id(x) in shards:
-                    frozen[i] = (ps, *shards[id(x)])
         return cls(owned, used, frozen)
+
+    @property
+    def trained(self) -> tuple[ParamSet, ...]:
+        """The engines whose gradients this graph produces (``param_sets`` less those it only gathers)."""
+        return tuple(ps for ps in self.param_sets if any(o.param_set is ps for o in self.inputs.values()))
 
 
 def has_tensor_hooks(t: torch.Tensor) -> bool:

@@ -231,7 +231,8 @@ def teacher_scenario(steps: int = 3) -> None:
         head, opt_h = prepare(acc, "head", H)
         teacher, _ = prepare(acc, "teacher", T, with_optimizer=False)
         attached = graphzero.accelerate.enable(acc)
-        assert sorted(attached) == ["head", "student"], attached
+        # the teacher (ZeRO-0, no optimizer) is attached frozen: nothing to reduce or step
+        assert sorted(attached) == ["head", "student", "teacher"], attached
         engines = {"student": student, "head": head}
         step = torch.compile(distill_loss, backend="graphzero")
         for t in range(steps):

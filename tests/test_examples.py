@@ -1,4 +1,4 @@
-"""The shipped examples (examples/diffusers_text_encoder.py, examples/rlhf_ppo.py) against a
+"""The shipped examples (examples/diffusers_text_encoder.py, rlhf_ppo.py, distill.py) against a
 single-process reference, their functions driven in the shared rank pool (2 gloo ranks) rather than
 through torchrun: >= 3 optimizer steps; at every accumulation boundary every gradient each engine
 holds (DeepSpeed's ``safe_get_full_grad``), the parameters before the step, and the norm
@@ -204,3 +204,52 @@ def test_rlhf_ppo(ranks, case):
     results = ranks.run(ppo_scenario, stage, lora, 3, timeout=900)
     assert results[0]["checked"] == [0, 1, 2]
     assert results[0]["history"]["loss"] == results[1]["history"]["loss"]
+
+
+# -- Distillation: a frozen ZeRO-3 teacher in the graph, a student trained ------------------------
+
+
+def distill_scenario(stage: int, lora: bool, steps: int) -> dict:
+    import distill as ex
+
+    _, world = rank_world()
+    ref = ex.Reference(lora=lora)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    checked, left_gathered = [], []
+
+    def on_micro(t, m, engines):
+        # nothing of either engine stays gathered after a backward (ZeRO-3 parameters hold no data)
+        left_gathered.append(sum(p.numel() * p.element_size() for e in engines.values()
+                                 for p in e.module.parameters() if hasattr(p, "ds_tensor")))
+
+    def on_boundary(t, engines):
+        ref.accumulate(t, world)
+        want = [p.grad for p in ref.params]
+        assert_grads_match(full_grads(engines["student"]), want, tol=1e-4, what=f"step {t} student grads")
+        assert all(p.grad is None for p in engines["teacher"].module.parameters()), "the teacher got gradients"
+        checked.append(t)
+        ref.step()
+
+    losses = ex.train(stage, steps=steps, lora=lora, on_micro=on_micro, on_boundary=on_boundary,
+                      log=lambda *a, **k: None)
+    return {"losses": losses, "checked": checked, "left_gathered": left_gathered,
+            "graphs": counters["stats"]["unique_graphs"], "breaks": int(sum(counters["graph_break"].values()))}
+
+
+DISTILL = {"zero3": (3, False), "zero2": (2, False), "zero3-lora": (3, True)}
+DEFAULT_DISTILL = ["zero3"]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if FULL or c in DEFAULT_DISTILL
+                                               else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]) for c in DISTILL])
+def test_distill(ranks, case):
+    stage, lora = DISTILL[case]
+    results = ranks.run(distill_scenario, stage, lora, 3, timeout=900)
+    for r in results:
+        assert r["checked"] == [0, 1, 2]
+        assert r["left_gathered"] == [0] * 6, f"bytes left gathered after each backward: {r['left_gathered']}"
+        # the teacher's gathers are in the compiled step: one graph, no break
+        assert (r["graphs"], r["breaks"]) == (1, 0), f"graphs {r['graphs']}, graph breaks {r['breaks']}"
+    assert results[0]["losses"] == results[1]["losses"]

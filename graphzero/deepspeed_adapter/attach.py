@@ -11,6 +11,7 @@ from ..ownership import check_same_world
 from . import names, step
 from .base import DeepSpeedBinding, binding_of
 from .bf16 import BF16Binding
+from .frozen import FrozenBinding, check_frozen, is_frozen
 from .ds_internals import _optimizer_kind, ds_attr
 from .zero3 import Zero3Binding, check_zero3_config
 from .zero12 import ZeroBinding
@@ -86,12 +87,17 @@ def _check_config(name: str, engine) -> None:
         return UnsupportedConfigError(f"engine {name!r}: DeepSpeed config {key} is not supported by graphzero yet ({why})")
 
     stage = engine.zero_optimization_stage()
-    if stage == 0:
+    frozen = is_frozen(engine)
+    if frozen:
+        check_frozen(name, engine)
+    elif stage == 0:
         raise unsupported("zero_optimization.stage=0", "use ZeRO stage 1 or 2")
-    if engine.fp16_enabled():
+    if engine.fp16_enabled() and not frozen:
         raise unsupported("fp16.enabled", "fp16 needs dynamic loss scaling; use bf16")
-    if _offloads(engine.zero_offload_optimizer()):
-        raise unsupported("zero_optimization.offload_optimizer", "optimizer offload")
+    offload = _offloads(engine.zero_offload_optimizer())
+    if offload and (stage != 3 or offload != "cpu"):
+        raise unsupported(f"zero_optimization.offload_optimizer (device {offload}, ZeRO-{stage})",
+                          "optimizer offload is supported at ZeRO-3 to the CPU")
     if _offloads(engine.zero_offload_param()):
         raise unsupported("zero_optimization.offload_param", "parameter offload")
     if engine.zero_quantized_gradients():
@@ -118,6 +124,10 @@ def _check_config(name: str, engine) -> None:
     if ds_attr(engine, "is_deepcompile_enabled")():
         raise unsupported("compile.deepcompile", "DeepCompile owns the same gradients")
     kind = _optimizer_kind(engine)
+    if frozen:
+        if stage == 3:
+            check_zero3_config(engine, unsupported, trains=False)
+        return
     if kind is None:
         raise unsupported(f"optimizer wrapper {type(engine.optimizer).__name__}",
                           "graphzero binds DeepSpeedZeroOptimizer, BF16_Optimizer and DeepSpeedZeroOptimizer_Stage3")
@@ -125,12 +135,16 @@ def _check_config(name: str, engine) -> None:
         check_zero3_config(engine, unsupported)
 
 
-def _offloads(offload_config) -> bool:
+def _offloads(offload_config) -> str | None:
+    """The offload device ("cpu", "nvme"), None where nothing is offloaded."""
     if offload_config is None:   # DeepSpeed's "not configured"
-        return False
+        return None
     device = ds_attr(offload_config, "device")
-    return device is not None and str(getattr(device, "value", device)) != "none"
+    device = None if device is None else str(getattr(device, "value", device))
+    return None if device in (None, "none") else device
 
 
 def _binding_class(engine) -> type:
+    if is_frozen(engine):
+        return FrozenBinding
     return {"zero": ZeroBinding, "bf16": BF16Binding, "zero3": Zero3Binding}[_optimizer_kind(engine)]

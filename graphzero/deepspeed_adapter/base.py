@@ -52,6 +52,9 @@ class DeepSpeedBinding:
     """graphzero's hold on one DeepSpeed engine; subclasses bind one optimizer family. Implements
     `runtime.EngineBinding` for the engine's run-time state (``self.state``)."""
 
+    #: False for an engine without an optimizer (frozen.py): no gradient, no optimizer step
+    trains = True
+
     def __init__(self, engine, name: str) -> None:
         self.engine = engine
         self.name = name
@@ -87,6 +90,9 @@ class DeepSpeedBinding:
     def at_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
 
+    def backward_ended(self) -> None:
+        """A backward that reached the engine ended (runtime/state.py); only offload acts on it."""
+
     def gradient_accumulation_steps(self) -> int:
         return self.engine.gradient_accumulation_steps()
 
@@ -103,7 +109,7 @@ class DeepSpeedBinding:
         """The engine's step settings from now on (attach); an attached engine's step is chosen again
         when they change."""
         changed, self.settings = settings != self.settings, settings
-        if changed and self.installed:
+        if changed and self.installed and self.step is not None:
             log.info("engine %r: optimizer step settings now %s", self.name, settings)
             self.step.choose(settings)
             self._refold_norm()
@@ -186,9 +192,10 @@ class DeepSpeedBinding:
         not a `GraphZeroError` as an `InstallError` naming the engine)."""
         try:
             self._install(self.ledger)
-            self.ledger.on_undo(self._unfold_norm, "the folded norm")
-            self.step = install_step(self, self.ledger, self.settings)
-            self._refold_norm()
+            if self.trains:
+                self.ledger.on_undo(self._unfold_norm, "the folded norm")
+                self.step = install_step(self, self.ledger, self.settings)
+                self._refold_norm()
             # last: binding_of(engine) is this binding only for a complete install
             self.ledger.set_attr(self.engine, _BINDING_ATTR, self)
         except BaseException as exc:
@@ -203,9 +210,12 @@ class DeepSpeedBinding:
                 f"engine {self.name!r}: graphzero could not attach to this {self.kind} engine (DeepSpeed "
                 f"{_deepspeed_version()}, torch {torch.__version__}); everything it had changed is restored. "
                 f"Cause: {type(exc).__name__}: {exc}") from exc
-        log.info("graphzero owns engine %r: ZeRO-%d, %d params, %d elements, %s, world %d",
-                 self.name, self.param_set.stage, self.param_set.num_params, self.param_set.numel,
-                 self.kind, self.param_set.world_size)
+        log.info("%s", self.summary())
+
+    def summary(self) -> str:
+        ps = self.param_set
+        return (f"graphzero owns engine {self.name!r}: ZeRO-{ps.stage}, {ps.num_params} params, {ps.numel} elements, "
+                f"{self.kind}, world {ps.world_size}")
 
     def _install(self, ledger: PatchLedger) -> None:
         """The changes shared by every optimizer family; subclasses add theirs after these."""
@@ -213,19 +223,7 @@ class DeepSpeedBinding:
         for h in opt._grad_acc_hooks:
             ledger.remove_hook(h)
         ledger.clear_list(opt._grad_acc_hooks)
-        for attr in ("module_forward_pre_hook", "module_forward_post_hook"):
-            handle = ds_attr(engine, attr)
-            if handle is not None:
-                ledger.remove_hook(handle)
-                ledger.set_attr(engine, attr, None)
-        module = engine.module
-
-        def forward(*args, **kwargs):
-            # The module itself, without engine.forward's output hooks (they divide by gas and
-            # run the backward prologue at run time) and without the timers that break graphs.
-            return module(*args, **kwargs)
-
-        ledger.set_attr(engine, "forward", forward)
+        plain_forward(engine, ledger)
         ledger.set_attr(engine, "backward", types.MethodType(_graphzero_engine_backward, engine))
         # A DeepSpeed engine.forward already in flight when graphzero attaches (Dynamo runs the
         # first call's frames one by one until the backend is reached) still registers output
@@ -343,6 +341,22 @@ class DeepSpeedBinding:
         if a < b:
             sink[a - lo:b - lo].add_(grad[a - start:b - start].to(sink.dtype), alpha=scale)
         param.grad = None
+
+
+def plain_forward(engine, ledger: PatchLedger) -> None:
+    """``engine.forward`` as the module itself: without engine.forward's output hooks (they divide
+    by gas and run the backward prologue at run time) and without the timers that break graphs."""
+    for attr in ("module_forward_pre_hook", "module_forward_post_hook"):
+        handle = ds_attr(engine, attr)
+        if handle is not None:
+            ledger.remove_hook(handle)
+            ledger.set_attr(engine, attr, None)
+    module = engine.module
+
+    def forward(*args, **kwargs):
+        return module(*args, **kwargs)
+
+    ledger.set_attr(engine, "forward", forward)
 
 
 def _graphzero_engine_backward(engine, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):

@@ -45,10 +45,10 @@ def _no_grad(fn):
     return wrapped
 
 
-def check_zero3_config(engine, unsupported) -> None:
-    """Stage 3 is supported in fp32, and in bf16 with fp32 gradient accumulation, without offload
-    (checked by the caller), quantized weights or hierarchical partitioning."""
-    if engine.bfloat16_enabled() and engine.get_data_types()[1] != torch.float32:
+def check_zero3_config(engine, unsupported, trains: bool = True) -> None:
+    """Stage 3 is supported in fp32, and in bf16 with fp32 gradient accumulation (where it trains),
+    without offload (checked by the caller), quantized weights or hierarchical partitioning."""
+    if trains and engine.bfloat16_enabled() and engine.get_data_types()[1] != torch.float32:
         raise unsupported("zero_optimization.stage=3 with bf16 and grad_accum_dtype!=fp32",
                           'set data_types.grad_accum_dtype="fp32"')
     if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
@@ -57,6 +57,36 @@ def check_zero3_config(engine, unsupported) -> None:
         raise unsupported("zero_optimization.zero_hpz_partition_size>1", "hierarchical partitioning")
     if ds_attr(engine, "autotp_size")() > 1:
         raise unsupported("tensor_parallel.autotp_size>1", "AutoTP shards")
+
+
+def gather_plan(engine, name: str) -> tuple[int, bool]:
+    """(elements per parameter gather, whether a gather is issued ahead of the previous one's
+    wait): stage3_prefetch_bucket_size, capped so that bucket_gathers' two live buckets stay
+    within stage3_max_live_parameters. A prefetch bucket of 0 is DeepSpeed's "no prefetch":
+    each parameter gathered on its own at its use (not the reduce bucket, which at 5e8 elements
+    would gather a whole model in one collective)."""
+    prefetch = int(engine.zero_prefetch_bucket_size())
+    max_live = int(engine.zero_max_live_parameters())
+    if max_live <= 1:
+        raise UnsupportedConfigError(
+            f"engine {name!r}: zero_optimization.stage3_max_live_parameters={max_live} leaves no room "
+            "for a parameter gather; set it to 2 or more")
+    if prefetch <= 0:
+        return 1, False
+    return min(prefetch, max_live // 2), True
+
+
+def reuse_distance(engine) -> int:
+    """How far ahead (elements) DeepSpeed keeps a parameter gathered for its next use (release.py)."""
+    return max(int(ds_attr(engine, "zero_max_reuse_distance")()), int(engine.zero_prefetch_bucket_size()))
+
+
+def remove_zero3_hooks(offload, ledger: PatchLedger) -> None:
+    """DeepSpeed's ZeRO-3 module hooks (what its _remove_module_hooks removes) of a
+    ``DeepSpeedZeRoOffload``, kept as they are so that detach puts the same hooks back
+    (setup_zero_stage3_hooks would make new ones)."""
+    for handle in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
+        ledger.remove_hook(handle)
 
 
 def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
@@ -112,6 +142,7 @@ class Zero3Binding(DeepSpeedBinding):
         self._installed_lists: dict[int, tuple[tuple[bool, ...], list]] = {}
         self._stale = False
         self._frozen_listed = False
+        self._offloaded = False   # optimizer offload (_install_offload)
         super().__init__(engine, name)
 
     @property
@@ -147,14 +178,12 @@ class Zero3Binding(DeepSpeedBinding):
 
     def _layout_extras(self) -> dict:
         opt = self.engine.optimizer
-        gather_bucket_numel, gather_ahead = self._gather_plan()
+        gather_bucket_numel, gather_ahead = gather_plan(self.engine, self.name)
         params = [p for group in opt.fp16_groups for p in group]
         return {
             "shard_inputs": self._trainable_shard_inputs, "frozen_shards": self.frozen_shards,
             "gather_bucket_numel": gather_bucket_numel, "gather_ahead": gather_ahead,
-            # how far ahead DeepSpeed keeps a parameter gathered for its next use (release.py)
-            "reuse_distance": max(int(ds_attr(self.engine, "zero_max_reuse_distance")()),
-                                  int(self.engine.zero_prefetch_bucket_size())),
+            "reuse_distance": reuse_distance(self.engine),
             # the padded full gradients the gathers' backward produces are in the parameters' dtype
             "partial_dtype": params[0].dtype if params else self.engine.communication_data_type}
 
@@ -167,22 +196,6 @@ class Zero3Binding(DeepSpeedBinding):
         return {id(p.ds_tensor): (n, bool(getattr(p, "ds_persist", False)))
                 for n, p in self.engine.module.named_parameters()
                 if hasattr(p, "ds_tensor") and id(p.ds_tensor) not in trainable}
-
-    def _gather_plan(self) -> tuple[int, bool]:
-        """(elements per parameter gather, whether a gather is issued ahead of the previous one's
-        wait): stage3_prefetch_bucket_size, capped so that bucket_gathers' two live buckets stay
-        within stage3_max_live_parameters. A prefetch bucket of 0 is DeepSpeed's "no prefetch":
-        each parameter gathered on its own at its use (not the reduce bucket, which at 5e8 elements
-        would gather a whole model in one collective)."""
-        prefetch = int(self.engine.zero_prefetch_bucket_size())
-        max_live = int(self.engine.zero_max_live_parameters())
-        if max_live <= 1:
-            raise UnsupportedConfigError(
-                f"engine {self.name!r}: zero_optimization.stage3_max_live_parameters={max_live} leaves no room "
-                "for a parameter gather; set it to 2 or more")
-        if prefetch <= 0:
-            return 1, False
-        return min(prefetch, max_live // 2), True
 
     def shard_inputs(self) -> dict[int, tuple[int, int]]:
         return {id(p.ds_tensor): (g, k) for g, group in enumerate(self.param_set.groups)
@@ -241,11 +254,7 @@ class Zero3Binding(DeepSpeedBinding):
         self._check_frozen_groups(self.engine.module)
         super()._install(ledger)
         opt, module = self.engine.optimizer, self.engine.module
-        # DeepSpeed's ZeRO-3 module hooks (what its _remove_module_hooks removes), kept as they
-        # are so that detach puts the same hooks back (setup_zero_stage3_hooks would make new ones).
-        offload = opt.parameter_offload
-        for handle in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
-            ledger.remove_hook(handle)
+        remove_zero3_hooks(opt.parameter_offload, ledger)
         for bucket in opt.ipg_buckets.values():
             _release_reduce_bucket(bucket, ledger)
         ps = self.param_set
@@ -264,6 +273,45 @@ class Zero3Binding(DeepSpeedBinding):
             if hasattr(p, "ds_tensor") and id(p) not in owned_ids:
                 _give_grad_proxy(p, ledger)
         zero3_module.install(module, ps.world_size, ps.group_name, ledger)
+        if ds_attr(opt, "offload_optimizer"):
+            self._install_offload(ledger)
+
+    def _install_offload(self, ledger: PatchLedger) -> None:
+        """Optimizer offload: DeepSpeed's gradient partitions (``grad_partitions_flat_buffer``) are
+        host buffers, and its epilogue copies each into the CPU optimizer's fp32 gradient at the
+        boundary (``_offload_grad_partition_at_boundary``, which also records the per-parameter norm
+        its step reads). graphzero's graphs accumulate into those partitions; the end of a backward at
+        the boundary (``safe_get_full_grad`` reads the copy) and ``step()`` make DeepSpeed's boundary
+        copy of every parameter; after ``step()`` the next window starts from zeros."""
+        opt = self.engine.optimizer
+        flat = opt.grad_partitions_flat_buffer
+        if flat.device.type != self.param_set.device.type:
+            raise UnsupportedConfigError(
+                f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero "
+                "accumulates gradients into DeepSpeed's host partitions only where the engine runs on the CPU so far")
+        original = opt.step
+
+        def step(closure=None):
+            self._copy_to_offloaded()
+            try:
+                return original(closure)
+            finally:
+                self._stale = True
+
+        ledger.set_attr(opt, "step", step)
+        self._offloaded = True
+
+    @torch.no_grad()
+    def _copy_to_offloaded(self) -> None:
+        opt = self.engine.optimizer
+        views = getattr(opt, _GRAD_PARTITIONS)
+        for group in opt.fp16_groups:
+            for p in group:
+                opt._offload_grad_partition_at_boundary(p, views[p.ds_id], {}, {})
+
+    def backward_ended(self) -> None:
+        if self._offloaded and self.installed and self.at_boundary():
+            self._copy_to_offloaded()
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""

@@ -49,6 +49,9 @@ class EngineBinding(Protocol):
     def at_boundary(self) -> bool:
         """Whether this micro-step ends the engine's gradient-accumulation window."""
 
+    def backward_ended(self) -> None:
+        """An autograd backward that reached the engine ended; its gradients are complete."""
+
     def gradient_accumulation_steps(self) -> int:
         """The engine's gas (read per call: it may change between steps)."""
 
@@ -187,6 +190,7 @@ class EngineState:
         self.forwards.clear()
         if self.partial.pending and not (self.window and not self.binding.at_boundary()):
             self.flush()
+        self.binding.backward_ended()
 
     def backward_abandoned(self) -> None:
         """A backward that reached the engine raised (its end never ran): per-parameter sums kept
