@@ -138,11 +138,7 @@ def test_bad_options(ranks):
 def unsupported_key_scenario(key: str) -> str:
     torch.manual_seed(0)
     zero = {"stage": 2}
-    extra = {}
-    if key == "offload_optimizer":
-        zero["offload_optimizer"] = {"device": "cpu"}
-        extra["zero_force_ds_cpu_optimizer"] = False
-    elif key in ("zero_quantized_gradients", "zero_quantized_weights"):
+    if key in ("zero_quantized_gradients", "zero_quantized_weights"):
         zero[key] = True
     elif key == "zero_hpz_partition_size":
         zero[key] = 2
@@ -162,7 +158,7 @@ def unsupported_key_scenario(key: str) -> str:
                 return self.moe(x)[0]
 
         model = WithExperts()
-    config = ds_config(2, **extra)
+    config = ds_config(2)
     config["zero_optimization"] = zero
     if key == "PipelineModule":
         config["zero_optimization"] = {"stage": 1}  # DeepSpeed allows pipelines with ZeRO-1 only
@@ -172,7 +168,8 @@ def unsupported_key_scenario(key: str) -> str:
 
 # fp16 is refused too ("fp16.enabled"), but DeepSpeed itself refuses fp16 on CPU before any
 # engine exists, so it cannot be exercised here.
-@pytest.mark.parametrize("key", ["offload_optimizer", "zero_quantized_gradients", "zero_quantized_weights",
+# Offload: tests/test_offload.py (optimizer offload to the CPU is supported, parameter offload refused).
+@pytest.mark.parametrize("key", ["zero_quantized_gradients", "zero_quantized_weights",
                                  "zero_hpz_partition_size", "PipelineModule", "MoE layers"])
 def test_each_unsupported_config_key_is_named(ranks, key):
     try:

@@ -95,9 +95,8 @@ def _check_config(name: str, engine) -> None:
     if engine.fp16_enabled() and not frozen:
         raise unsupported("fp16.enabled", "fp16 needs dynamic loss scaling; use bf16")
     offload = _offloads(engine.zero_offload_optimizer())
-    if offload and (stage != 3 or offload != "cpu"):
-        raise unsupported(f"zero_optimization.offload_optimizer (device {offload}, ZeRO-{stage})",
-                          "optimizer offload is supported at ZeRO-3 to the CPU")
+    if offload is not None and offload != "cpu":
+        raise unsupported(f"zero_optimization.offload_optimizer (device {offload})", "optimizer offload to the CPU only")
     if _offloads(engine.zero_offload_param()):
         raise unsupported("zero_optimization.offload_param", "parameter offload")
     if engine.zero_quantized_gradients():

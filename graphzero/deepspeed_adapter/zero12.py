@@ -3,7 +3,8 @@
 Layout: per param group, the flat order ``round_robin_bit16_groups[i]`` at
 ``round_robin_bit16_offsets[i]`` of a padded buffer of ``bit16_groups_flat[i].numel()`` elements,
 split into one contiguous partition per data-parallel rank. ``step()`` reads this rank's
-partition from ``averaged_gradients[i]``.
+partition from ``averaged_gradients[i]``; with optimizer offload, from the CPU fp32 gradient that
+the boundary copy fills (``_copy_to_offloaded``).
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import weakref
 
 import torch
 
+from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from .base import DeepSpeedBinding
+from .ledger import PatchLedger
 
 
 class ZeroBinding(DeepSpeedBinding):
@@ -58,3 +61,42 @@ class ZeroBinding(DeepSpeedBinding):
             if opt.averaged_gradients.get(i) is self._installed(i):
                 opt.averaged_gradients[i] = None
         self._installed_groups.clear()
+
+    # -- optimizer offload (offload_optimizer: cpu) ------------------------------------------------
+    def _install(self, ledger: PatchLedger) -> None:
+        super()._install(ledger)
+        opt = self.engine.optimizer
+        if not opt.cpu_offload:
+            return
+        if self.param_set.device.type != "cpu":
+            raise UnsupportedConfigError(
+                f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero copies "
+                "gradients into DeepSpeed's CPU partitions only where the engine runs on the CPU so far")
+        original = opt.step
+
+        def step(closure=None):
+            self._copy_to_offloaded()
+            return original(closure)
+
+        ledger.set_attr(opt, "step", step)
+
+    @torch.no_grad()
+    def _copy_to_offloaded(self) -> None:
+        """DeepSpeed's boundary copy under offload (``copy_grads_in_partition``): each parameter's part
+        of this rank's partition (graphzero's sink) into the CPU optimizer's fp32 gradient, and its
+        norm into ``norm_for_param_grads``, which the offloaded step's norm reads."""
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+        opt = self.engine.optimizer
+        for i, sink in enumerate(self.sinks()):
+            partition = self.param_set.rank
+            fp32_grad = opt.single_partition_of_fp32_groups[i].grad.view(-1)
+            for param in opt.params_in_partition[i]:
+                pid = opt.get_param_id(param)
+                _, _, dest, n = opt.grad_position[pid]
+                source = sink.narrow(0, int(opt.grad_partition_insertion_offset[i][partition][pid]), int(n))
+                opt.norm_for_param_grads[pid] = source.to(get_norm_dtype()).norm(2)
+                fp32_grad.narrow(0, dest, n).copy_(source.to(fp32_grad.dtype))
+
+    def backward_ended(self) -> None:
+        if self.engine.optimizer.cpu_offload and self.installed and self.at_boundary():
+            self._copy_to_offloaded()
