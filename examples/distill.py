@@ -5,6 +5,7 @@ trained on the reverse KL between their next-token distributions, 2 micro-steps 
     torchrun --nproc_per_node 2 examples/distill.py                      # student ZeRO-3
     torchrun --nproc_per_node 2 examples/distill.py --zero-stage 2       # student ZeRO-2 (teacher ZeRO-3)
     torchrun --nproc_per_node 2 examples/distill.py --lora               # student = LoRA adapters over its base
+    torchrun --nproc_per_node 2 examples/distill.py --offload            # the teacher's parameters on the CPU
 
 graphzero's added line is the backend of ``torch.compile``:
 
@@ -80,32 +81,35 @@ def distill_loss(student, teacher, ids, mask):
     return (kl * mask).sum() / mask.sum()
 
 
-def ds_config(stage: int, trained: bool) -> dict:
+def ds_config(stage: int, trained: bool, offload: bool = False) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": GAS if trained else 1,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 10**9,
     }
+    if offload:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if trained:
         cfg["gradient_clipping"] = CLIP
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}
     return cfg
 
 
-def engines(models: dict, stage: int) -> dict:
-    """The student at ``stage`` with its optimizer; the teacher at ZeRO-3 without one."""
+def engines(models: dict, stage: int, offload: bool = False) -> dict:
+    """The student at ``stage`` with its optimizer; the teacher at ZeRO-3 without one (its
+    parameters on the CPU with ``offload``)."""
     import deepspeed
 
     student = models["student"]
     params = [p for p in student.parameters() if p.requires_grad]
     s, *_ = deepspeed.initialize(model=student, model_parameters=params, config=ds_config(stage, True))
-    t, *_ = deepspeed.initialize(model=models["teacher"], config=ds_config(3, False))
+    t, *_ = deepspeed.initialize(model=models["teacher"], config=ds_config(3, False, offload))
     return {"student": s, "teacher": t}
 
 
-def train(stage: int = 3, *, steps: int = 3, lora: bool = False, on_micro=None, on_boundary=None,
-          log=print) -> list[float]:
+def train(stage: int = 3, *, steps: int = 3, lora: bool = False, offload: bool = False, on_micro=None,
+          on_boundary=None, log=print) -> list[float]:
     """``steps`` optimizer steps of GAS micro-steps each. ``on_micro(t, m, engines)`` runs after each
     backward, ``on_boundary(t, engines)`` before each optimizer step (tests)."""
     import torch.distributed as dist
@@ -113,7 +117,7 @@ def train(stage: int = 3, *, steps: int = 3, lora: bool = False, on_micro=None, 
     import graphzero
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    eng = engines(build_models(lora=lora), stage)
+    eng = engines(build_models(lora=lora), stage, offload)
     step = torch.compile(distill_loss, backend="graphzero", options={"engines": eng})
     losses = []
     for t in range(steps):
@@ -160,6 +164,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zero-stage", type=int, choices=(2, 3), default=3, help="the student's ZeRO stage")
     parser.add_argument("--lora", action="store_true", help="the student is LoRA adapters (peft) over a frozen base")
+    parser.add_argument("--offload", action="store_true",
+                        help="the teacher's parameters on the CPU (offload_param; CPU ranks only so far)")
     args = parser.parse_args()
     import deepspeed
     import torch.distributed as dist
@@ -168,8 +174,8 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     say(f"world size {dist.get_world_size()}, student ZeRO-{args.zero_stage}{' LoRA' if args.lora else ''}, "
-        "teacher ZeRO-3 frozen", flush=True)
-    losses = train(args.zero_stage, steps=args.steps, lora=args.lora, log=say)
+        f"teacher ZeRO-3 frozen{', parameters offloaded' if args.offload else ''}", flush=True)
+    losses = train(args.zero_stage, steps=args.steps, lora=args.lora, offload=args.offload, log=say)
     say(f"reverse KL {losses[0]:.5f} -> {losses[-1]:.5f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -111,6 +111,7 @@ COMMANDS: dict[str, Run] = {
     "graphzero-dump run -n 2 examples/rlhf_ppo.py --steps 1": Run("full", expect="1 graph(s), graph breaks: 0"),
     "torchrun --nproc_per_node 2 examples/distill.py": Run("full", expect="reverse KL"),
     "torchrun --nproc_per_node 2 examples/distill.py --zero-stage 2 --lora": Run("full", expect="LoRA"),
+    "torchrun --nproc_per_node 2 examples/distill.py --offload": Run("full", expect="parameters offloaded"),
     # docs/usage.md: graphzero-dump on make demo's dump
     "graphzero-dump demo_dump": Run("demo"),
     "graphzero-dump demo_dump --graph g0 --pass insert_reduce_scatter --diff":

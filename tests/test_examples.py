@@ -209,7 +209,7 @@ def test_rlhf_ppo(ranks, case):
 # -- Distillation: a frozen ZeRO-3 teacher in the graph, a student trained ------------------------
 
 
-def distill_scenario(stage: int, lora: bool, steps: int) -> dict:
+def distill_scenario(stage: int, lora: bool, steps: int, offload: bool = False) -> dict:
     import distill as ex
 
     _, world = rank_world()
@@ -232,21 +232,22 @@ def distill_scenario(stage: int, lora: bool, steps: int) -> dict:
         checked.append(t)
         ref.step()
 
-    losses = ex.train(stage, steps=steps, lora=lora, on_micro=on_micro, on_boundary=on_boundary,
+    losses = ex.train(stage, steps=steps, lora=lora, offload=offload, on_micro=on_micro, on_boundary=on_boundary,
                       log=lambda *a, **k: None)
     return {"losses": losses, "checked": checked, "left_gathered": left_gathered,
             "graphs": counters["stats"]["unique_graphs"], "breaks": int(sum(counters["graph_break"].values()))}
 
 
-DISTILL = {"zero3": (3, False), "zero2": (2, False), "zero3-lora": (3, True)}
+DISTILL = {"zero3": (3, False, False), "zero2": (2, False, False), "zero3-lora": (3, True, False),
+           "zero2-offloaded-teacher": (2, False, True)}
 DEFAULT_DISTILL = ["zero3"]
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[] if FULL or c in DEFAULT_DISTILL
                                                else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]) for c in DISTILL])
 def test_distill(ranks, case):
-    stage, lora = DISTILL[case]
-    results = ranks.run(distill_scenario, stage, lora, 3, timeout=900)
+    stage, lora, offload = DISTILL[case]
+    results = ranks.run(distill_scenario, stage, lora, 3, offload, timeout=900)
     for r in results:
         assert r["checked"] == [0, 1, 2]
         assert r["left_gathered"] == [0] * 6, f"bytes left gathered after each backward: {r['left_gathered']}"

@@ -8,6 +8,7 @@ checkpoint (gathered again in the recompute); gas 2, 3 optimizer steps. Against 
 reference: the student's gradients at every boundary and its clipped norm; after every backward no
 ZeRO-3 parameter of any engine holds data and no frozen parameter a gradient; one graph, no graph
 break; outside the compiled step and after detach the teacher computes what the reference does.
+One case offloads the frozen engines' parameters (``offload_param: cpu``).
 """
 from __future__ import annotations
 
@@ -55,17 +56,19 @@ def loss_fn(models, x, y):
     return ((out - y) ** 2).mean() + 0.1 * judged.pow(2).mean()
 
 
-def frozen_config(stage: int) -> dict:
+def frozen_config(stage: int, offload: bool = False) -> dict:
     cfg = ds_config(stage, gas=1)
     del cfg["optimizer"], cfg["gradient_clipping"]
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if offload:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     return cfg
 
 
-def frozen_engine(model: nn.Module, stage: int):
+def frozen_engine(model: nn.Module, stage: int, offload: bool = False):
     import deepspeed
-    eng, *_ = deepspeed.initialize(model=model, config=frozen_config(stage))
+    eng, *_ = deepspeed.initialize(model=model, config=frozen_config(stage, offload))
     return eng
 
 
@@ -74,7 +77,8 @@ def zero3_bytes(*engines) -> int:
     return sum(p.numel() * p.element_size() for e in engines for p in e.module.parameters() if hasattr(p, "ds_tensor"))
 
 
-def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, steps: int = 3) -> dict:
+def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, steps: int = 3,
+                     offload: bool = False) -> dict:
     rank, world = rank_world()
     torch.manual_seed(0)
     models = {"student": Student(reentrant), "teacher": mlp(8, 16, 8).requires_grad_(False),
@@ -85,8 +89,9 @@ def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, st
     cfg = ds_config(student_stage, gas=GAS)
     if student_stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    eng = {"student": engine(models["student"], cfg), "teacher": frozen_engine(models["teacher"], teacher_stage),
-           "judge": frozen_engine(models["judge"], 3)}
+    eng = {"student": engine(models["student"], cfg),
+           "teacher": frozen_engine(models["teacher"], teacher_stage, offload),
+           "judge": frozen_engine(models["judge"], 3, offload)}
     step = torch.compile(loss_fn, backend="graphzero", options={"engines": eng})
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
@@ -125,10 +130,11 @@ def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, st
     return {"graphs": graphs, "breaks": breaks, "norms": norms}
 
 
-@pytest.mark.parametrize("student_stage,teacher_stage,reentrant", [
-    (3, 3, False), (2, 3, True), (3, 0, False)], ids=["zero3-student", "zero2-student-reentrant", "zero0-teacher"])
-def test_frozen_teacher_and_judge(ranks, student_stage, teacher_stage, reentrant):
-    results = ranks.run(distill_scenario, student_stage, teacher_stage, reentrant)
+@pytest.mark.parametrize("student_stage,teacher_stage,reentrant,offload", [
+    (3, 3, False, False), (2, 3, True, False), (3, 0, False, False), (2, 3, False, True)],
+    ids=["zero3-student", "zero2-student-reentrant", "zero0-teacher", "offloaded-teacher-and-judge"])
+def test_frozen_teacher_and_judge(ranks, student_stage, teacher_stage, reentrant, offload):
+    results = ranks.run(distill_scenario, student_stage, teacher_stage, reentrant, offload=offload)
     assert results[0]["norms"] == results[1]["norms"]
     if not reentrant:
         # the frozen engines' gathers are inside the compiled step

@@ -158,6 +158,8 @@ def _untimed(name: str) -> contextlib.AbstractContextManager:
 class Runner:
     name: ClassVar[str] = "?"
     compiled: ClassVar[bool] = False
+    # run only when named in --runners (a variant of another runner's config, e.g. offload)
+    opt_in: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

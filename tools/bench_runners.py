@@ -8,19 +8,23 @@ from .bench_runner import Hyper, RunContext, Runner, RunnerSkipped
 from .bench_runners_deepspeed import (
     DeepCompileRunner,
     DeepSpeedEngineBackward,
+    DeepSpeedOffload,
     DeepSpeedPlainBackward,
     GraphZeroDeepSpeedStepRunner,
     GraphZeroDeferredRunner,
     GraphZeroEagerRunner,
+    GraphZeroOffloadRunner,
     GraphZeroReduceScatterRunner,
     GraphZeroRunner,
 )
 from .bench_runners_torch import DDPRunner, FSDP2Runner, TorchCompileFusedRunner
 
-__all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedPlainBackward",
-           "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner", "GraphZeroEagerRunner", "GraphZeroReduceScatterRunner", "GraphZeroRunner", "Hyper", "RunContext", "Runner",
-           "RunnerSkipped", "TorchCompileFusedRunner"]
+__all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedOffload",
+           "DeepSpeedPlainBackward", "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner",
+           "GraphZeroEagerRunner", "GraphZeroOffloadRunner", "GraphZeroReduceScatterRunner", "GraphZeroRunner", "Hyper",
+           "RunContext", "Runner", "RunnerSkipped", "TorchCompileFusedRunner"]
 
 RUNNERS: dict[str, type[Runner]] = {cls.name: cls for cls in (
-    GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroReduceScatterRunner, GraphZeroEagerRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward,
+    GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroReduceScatterRunner,
+    GraphZeroEagerRunner, GraphZeroOffloadRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward, DeepSpeedOffload,
     DDPRunner, FSDP2Runner, TorchCompileFusedRunner, DeepCompileRunner)}

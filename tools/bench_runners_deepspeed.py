@@ -25,13 +25,16 @@ class DeepSpeedPlainBackward(Runner):
 
     name = "ds-plain-backward"
     extra_config: ClassVar[dict[str, Any]] = {}
+    zero_config: ClassVar[dict[str, Any]] = {}   # merged into zero_optimization
 
     def setup(self) -> None:
         import deepspeed
 
         self.engines: dict[str, Any] = {}
         for part_name, module in self.ctx.fresh_parts().items():
-            engine, *_ = deepspeed.initialize(model=module, config=self.ctx.ds_config(self.extra_config))
+            config = self.ctx.ds_config(self.extra_config)
+            config["zero_optimization"].update(self.zero_config)
+            engine, *_ = deepspeed.initialize(model=module, config=config)
             self.engines[part_name] = engine
 
     def _float_dtype(self) -> torch.dtype:
@@ -205,6 +208,31 @@ class GraphZeroDeepSpeedStepRunner(GraphZeroRunner):
 
     name = "graphzero-ds-step"
     step_options: ClassVar[dict[str, bool]] = {"lean_step": False}
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+
+
+class DeepSpeedOffload(DeepSpeedPlainBackward):
+    """DeepSpeed eager with ``offload_optimizer: {device: cpu}`` (the optimizer on the CPU: torch
+    AdamW here, as every runner's). Opt-in: ``--runners ds-offload,graphzero-offload,...``."""
+
+    name = "ds-offload"
+    opt_in = True
+    zero_config: ClassVar[dict[str, Any]] = OFFLOAD
+
+
+class GraphZeroOffloadRunner(GraphZeroRunner):
+    """graphzero-inductor with ``offload_optimizer: {device: cpu}`` (CPU engines only so far)."""
+
+    name = "graphzero-offload"
+    opt_in = True
+    zero_config: ClassVar[dict[str, Any]] = OFFLOAD
+
+    def setup(self) -> None:
+        if self.ctx.device.type != "cpu":
+            raise RunnerSkipped("graphzero's optimizer offload runs on CPU engines only so far")
+        super().setup()
 
 
 class DeepCompileRunner(DeepSpeedEngineBackward):

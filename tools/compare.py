@@ -35,13 +35,14 @@ from .bench_runners import RUNNERS, Hyper
 from .bench_worker import worker
 
 RUNNER_NAMES = tuple(RUNNERS)
+DEFAULT_RUNNERS = tuple(n for n, cls in RUNNERS.items() if not cls.opt_in)
 
 
 # ---------------------------------------------------------------------------------------- arguments
 
 
 def _runner_list(text: str) -> list[str]:
-    names = list(RUNNER_NAMES) if text in ("all", "") else [n.strip() for n in text.split(",") if n.strip()]
+    names = list(DEFAULT_RUNNERS) if text in ("all", "") else [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in RUNNERS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown runner(s) {bad}; choose from {', '.join(RUNNER_NAMES)}")
@@ -59,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under a launcher)")
     p.add_argument("--steps", type=int, default=20, help="timed rounds")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds before measuring (>= 1)")
-    p.add_argument("--runners", type=_runner_list, default=list(RUNNER_NAMES),
-                   help=f"comma-separated subset of: {', '.join(RUNNER_NAMES)} (default: all)")
+    p.add_argument("--runners", type=_runner_list, default=list(DEFAULT_RUNNERS),
+                   help=f"comma-separated subset of: {', '.join(RUNNER_NAMES)} (default, or 'all': every one but the "
+                        f"opt-in {', '.join(n for n in RUNNER_NAMES if n not in DEFAULT_RUNNERS)})")
     p.add_argument("--reference", default="ddp", help="runner whose final parameters the others are "
                    "compared with (falls back to the first of ddp, ds-plain-backward, ... that succeeded)")
     p.add_argument("--tol", type=float, default=None,

@@ -97,8 +97,10 @@ def _check_config(name: str, engine) -> None:
     offload = _offloads(engine.zero_offload_optimizer())
     if offload is not None and offload != "cpu":
         raise unsupported(f"zero_optimization.offload_optimizer (device {offload})", "optimizer offload to the CPU only")
-    if _offloads(engine.zero_offload_param()):
-        raise unsupported("zero_optimization.offload_param", "parameter offload")
+    param_offload = _offloads(engine.zero_offload_param())
+    if param_offload is not None and (param_offload != "cpu" or engine.device.type != "cpu"):
+        raise unsupported(f"zero_optimization.offload_param (device {param_offload}, engine on {engine.device.type})",
+                          "parameter offload to the CPU of an engine that runs on the CPU only")
     if engine.zero_quantized_gradients():
         raise unsupported("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradient reduction")
     if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
