@@ -6,6 +6,7 @@ trained on the reverse KL between their next-token distributions, 2 micro-steps 
     torchrun --nproc_per_node 2 examples/distill.py --zero-stage 2       # student ZeRO-2 (teacher ZeRO-3)
     torchrun --nproc_per_node 2 examples/distill.py --lora               # student = LoRA adapters over its base
     torchrun --nproc_per_node 2 examples/distill.py --offload            # the teacher's parameters on the CPU
+    accelerate launch --config_file examples/accelerate_configs/distill.yaml examples/distill.py
 
 graphzero's added line is the backend of ``torch.compile``:
 
@@ -139,6 +140,61 @@ def train(stage: int = 3, *, steps: int = 3, lora: bool = False, offload: bool =
     return losses
 
 
+def plugin(stage: int, trained: bool, offload: bool = False):
+    """One Accelerate DeepSpeed plugin (keyword arguments, then the rest on its dict, as in
+    diffusers_text_encoder.py: a launch config's deepspeed_config and a plugin's own file exclude
+    each other)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    p = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=GAS, gradient_clipping=CLIP if trained else None)
+    cfg = p.deepspeed_config
+    cfg.pop("train_batch_size", None)   # DeepSpeed derives it from its real world size
+    cfg["train_micro_batch_size_per_gpu"] = BATCH
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if offload:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    return p
+
+
+def train_accelerate(stage: int = 3, *, steps: int = 3, lora: bool = False, offload: bool = False,
+                     on_boundary=None, log=print) -> list[float]:
+    """The same training under HF Accelerate: one Accelerator, a DeepSpeed plugin per model, the
+    teacher prepared without an optimizer; ``graphzero.accelerate.enable`` attaches it frozen."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    import graphzero.accelerate
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accelerator = Accelerator(deepspeed_plugins={"student": plugin(stage, True), "teacher": plugin(3, False, offload)},
+                              gradient_accumulation_steps=GAS)
+    models = build_models(lora=lora)
+    opt = torch.optim.AdamW([p for p in models["student"].parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    accelerator.state.select_deepspeed_plugin("student")
+    student, opt = accelerator.prepare(models["student"], opt)   # Accelerate + DeepSpeed: one model per prepare()
+    accelerator.state.select_deepspeed_plugin("teacher")
+    teacher = accelerator.prepare(models["teacher"])
+    graphzero.accelerate.enable(accelerator)   # the one added line
+    step = torch.compile(distill_loss, backend="graphzero")
+    losses = []
+    for t in range(steps):
+        total = torch.zeros(1)
+        for m in range(GAS):
+            with accelerator.accumulate(student):
+                loss = step(student, teacher, *batch(t, m, rank))
+                accelerator.backward(loss)
+                total += loss.detach().float()
+                if accelerator.sync_gradients and on_boundary is not None:
+                    on_boundary(t, {"student": student, "teacher": teacher})
+                opt.step()
+                opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(float(total) / (world * GAS))
+        log(f"step {t}: reverse KL {losses[-1]:.5f}  |grad| {float(student.get_global_grad_norm()):.4f}")
+    graphzero.accelerate.disable(accelerator)
+    return losses
+
+
 class Reference:
     """Single-process distillation over every rank's micro-batches: the mean loss, clipped, AdamW."""
 
@@ -162,7 +218,10 @@ class Reference:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--zero-stage", type=int, choices=(2, 3), default=3, help="the student's ZeRO stage")
+    launched = "ACCELERATE_DEEPSPEED_ZERO_STAGE" in os.environ   # under accelerate launch --config_file ...
+    parser.add_argument("--zero-stage", type=int, choices=(2, 3),
+                        default=int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")),
+                        help="the student's ZeRO stage (default: the launch config's, else 3)")
     parser.add_argument("--lora", action="store_true", help="the student is LoRA adapters (peft) over a frozen base")
     parser.add_argument("--offload", action="store_true",
                         help="the teacher's parameters on the CPU (offload_param; CPU ranks only so far)")
@@ -174,8 +233,10 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     say(f"world size {dist.get_world_size()}, student ZeRO-{args.zero_stage}{' LoRA' if args.lora else ''}, "
-        f"teacher ZeRO-3 frozen{', parameters offloaded' if args.offload else ''}", flush=True)
-    losses = train(args.zero_stage, steps=args.steps, lora=args.lora, offload=args.offload, log=say)
+        f"teacher ZeRO-3 frozen{', parameters offloaded' if args.offload else ''}"
+        f"{', under accelerate launch' if launched else ''}", flush=True)
+    run = train_accelerate if launched else train
+    losses = run(args.zero_stage, steps=args.steps, lora=args.lora, offload=args.offload, log=say)
     say(f"reverse KL {losses[0]:.5f} -> {losses[-1]:.5f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -42,6 +42,7 @@ from .accelerate_checks import (
     describe,
     is_engine,
 )
+from .deepspeed_adapter.frozen import is_frozen
 from .deepspeed_adapter.step import current_grad_norm
 from .errors import AccelerateError
 
@@ -182,7 +183,8 @@ class _PlainBackward:
                 f"accelerator.backward() of a loss whose graph was already reduced by graphzero (models "
                 f"{sorted(r.name for r in records)}): a second backward would add every engine's reduced "
                 "gradient again. Call accelerator.backward() once per loss (sum the losses first)")
-        unattached = [m for m in accelerator._models if is_engine(m) and m.optimizer is not None and m not in registry]
+        unattached = [m for m in accelerator._models if is_engine(m) and (
+            deepspeed_adapter.binding_of(m) is None if is_frozen(m) else m not in registry)]
         if unattached:
             raise AccelerateError(
                 f"model ({describe(unattached[0])}) was prepared after graphzero.accelerate.enable(): call "

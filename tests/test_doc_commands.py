@@ -112,6 +112,8 @@ COMMANDS: dict[str, Run] = {
     "torchrun --nproc_per_node 2 examples/distill.py": Run("full", expect="reverse KL"),
     "torchrun --nproc_per_node 2 examples/distill.py --zero-stage 2 --lora": Run("full", expect="LoRA"),
     "torchrun --nproc_per_node 2 examples/distill.py --offload": Run("full", expect="parameters offloaded"),
+    "accelerate launch --config_file examples/accelerate_configs/distill.yaml examples/distill.py":
+        Run("full", expect="under accelerate launch"),
     # docs/usage.md: graphzero-dump on make demo's dump
     "graphzero-dump demo_dump": Run("demo"),
     "graphzero-dump demo_dump --graph g0 --pass insert_reduce_scatter --diff":

@@ -5,7 +5,7 @@ holds (DeepSpeed's ``safe_get_full_grad``), the parameters before the step, and 
 ``accelerator.clip_grad_norm_`` returns.
 
 Default suite: one configuration per example (the diffusers loop at ZeRO-2 + ZeRO-1, gas 2, on the
-default path; PPO at ZeRO-2). ``GRAPHZERO_MATRIX=full``: every configuration (diffusers ZeRO-2,
+default path; PPO at ZeRO-2; distillation with a ZeRO-3 student, under torchrun and Accelerate). ``GRAPHZERO_MATRIX=full``: every configuration (diffusers ZeRO-2,
 ZeRO-2 + ZeRO-1, ZeRO-3, bf16; PPO ZeRO-2/ZeRO-3, LoRA).
 
 Tolerances: fp32 gradients 1e-4 relative L2 per tensor, bf16 3% on the first step only (compiled and
@@ -209,7 +209,7 @@ def test_rlhf_ppo(ranks, case):
 # -- Distillation: a frozen ZeRO-3 teacher in the graph, a student trained ------------------------
 
 
-def distill_scenario(stage: int, lora: bool, steps: int, offload: bool = False) -> dict:
+def distill_scenario(stage: int, lora: bool, steps: int, offload: bool = False, accelerate: bool = False) -> dict:
     import distill as ex
 
     _, world = rank_world()
@@ -232,22 +232,33 @@ def distill_scenario(stage: int, lora: bool, steps: int, offload: bool = False) 
         checked.append(t)
         ref.step()
 
-    losses = ex.train(stage, steps=steps, lora=lora, offload=offload, on_micro=on_micro, on_boundary=on_boundary,
-                      log=lambda *a, **k: None)
+    if accelerate:
+        # Accelerate's own micro-step structure; nothing left gathered is checked at the boundary
+        def boundary(t, engines):
+            on_micro(t, 1, engines)
+            on_boundary(t, engines)
+
+        with fresh_accelerate():
+            losses = ex.train_accelerate(stage, steps=steps, lora=lora, offload=offload, on_boundary=boundary,
+                                         log=lambda *a, **k: None)
+        left_gathered *= 2   # one check per step, the loop below expects one per micro-step
+    else:
+        losses = ex.train(stage, steps=steps, lora=lora, offload=offload, on_micro=on_micro, on_boundary=on_boundary,
+                          log=lambda *a, **k: None)
     return {"losses": losses, "checked": checked, "left_gathered": left_gathered,
             "graphs": counters["stats"]["unique_graphs"], "breaks": int(sum(counters["graph_break"].values()))}
 
 
-DISTILL = {"zero3": (3, False, False), "zero2": (2, False, False), "zero3-lora": (3, True, False),
-           "zero2-offloaded-teacher": (2, False, True)}
-DEFAULT_DISTILL = ["zero3"]
+DISTILL = {"zero3": (3, False, False, False), "zero2": (2, False, False, False), "zero3-lora": (3, True, False, False),
+           "zero2-offloaded-teacher": (2, False, True, False), "zero3-accelerate": (3, False, False, True)}
+DEFAULT_DISTILL = ["zero3", "zero3-accelerate"]
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[] if FULL or c in DEFAULT_DISTILL
                                                else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]) for c in DISTILL])
 def test_distill(ranks, case):
-    stage, lora, offload = DISTILL[case]
-    results = ranks.run(distill_scenario, stage, lora, 3, offload, timeout=900)
+    stage, lora, offload, accelerate = DISTILL[case]
+    results = ranks.run(distill_scenario, stage, lora, 3, offload, accelerate, timeout=900)
     for r in results:
         assert r["checked"] == [0, 1, 2]
         assert r["left_gathered"] == [0] * 6, f"bytes left gathered after each backward: {r['left_gathered']}"
