@@ -402,3 +402,27 @@ def test_gan_world_size_3_uneven_partitions():
         pool.run(gan_scenario, 3, 1, hidden=13)
     finally:
         pool.close()
+
+
+def torch_linear_scenario() -> dict:
+    """DeepSpeed's ZeRO-3 init replaces torch.nn.functional.linear process-wide; while graphzero owns
+    a ZeRO-3 engine the user's other models (and graphzero's graphs) get torch's back; detach
+    returns DeepSpeed's."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    torch.manual_seed(0)
+    eng = engine(mlp(8, 16, 4), z3_config(3))
+    wrapped = torch.nn.functional.linear is zero3_linear_wrap
+    graphzero.attach(policy=eng)
+    during = torch.nn.functional.linear
+    other = torch.nn.Linear(4, 4)
+    out = other(torch.randn(2, 4))
+    graphzero.detach(eng)
+    return {"wrapped_before": wrapped, "torch_during": during is torch._C._nn.linear,
+            "plain_autograd": type(out.grad_fn).__name__,
+            "wrapped_after": torch.nn.functional.linear is zero3_linear_wrap}
+
+
+def test_torch_linear_while_a_zero3_engine_is_attached(ranks):
+    for r in ranks.run(torch_linear_scenario):
+        assert r == {"wrapped_before": True, "torch_during": True, "plain_autograd": "AddmmBackward0",
+                     "wrapped_after": True}, r

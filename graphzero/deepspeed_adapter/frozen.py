@@ -27,7 +27,7 @@ from .bound import BINDING_ATTR
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
 from .step.zero3_update import coalesce_gathers
-from .zero3 import gather_plan, remove_zero3_hooks, reuse_distance
+from .zero3 import gather_plan, remove_zero3_hooks, reuse_distance, use_torch_linear
 
 log = logging.getLogger("graphzero")
 
@@ -92,6 +92,7 @@ class FrozenBinding(DeepSpeedBinding):
         if engine.zero_optimization_stage() != 3:
             return
         remove_zero3_hooks(engine.optimizer, ledger)
+        use_torch_linear(self.name, ledger)
         for _, p in self._zero3_params():
             ledger.set_attr(p.ds_tensor, BINDING_ATTR, self)   # graphs compiled without options find the engine
         coalesce_gathers(engine.module, ledger)

@@ -89,6 +89,26 @@ def remove_zero3_hooks(offload, ledger: PatchLedger) -> None:
         ledger.remove_hook(handle)
 
 
+def use_torch_linear(name: str, ledger: PatchLedger) -> None:
+    """Put torch's ``torch.nn.functional.linear`` back while a ZeRO-3 engine is attached.
+
+    DeepSpeed's ZeRO-3 initialisation replaces it process-wide with ``zero3_linear_wrap`` (an
+    autograd function saving the weight and gathering it again in backward, for DeepSpeed's hooks),
+    which "persists unless manually reset": the user's other models run through it (measured 2x
+    slower in a DDP step, docs/benchmarks.md), and in graphzero's graphs, whose gathers graphzero
+    owns, it buys nothing. DeepSpeed's ZeRO-3 engines train with torch's linear too (its
+    ``memory_efficient_linear: false``). Detach puts DeepSpeed's back (the first engine's ledger that
+    changed it)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+    original = getattr(ZeroInit, "linear_bk", None)
+    if original is None or torch.nn.functional.linear is not zero3_linear_wrap:
+        return
+    ledger.set_attr(torch.nn.functional, "linear", original)
+    log.info("engine %r: torch.nn.functional.linear is torch's again while graphzero owns ZeRO-3 engines "
+             "(DeepSpeed's ZeRO-3 init had replaced it process-wide)", name)
+
+
 def _release_reduce_bucket(bucket, ledger: PatchLedger) -> None:
     """Free DeepSpeed's ZeRO-3 reduce bucket (1.9 GiB in fp32 at the default 5e8, per engine; only
     the removed gradient hooks fill it) while attached; allocate it empty on detach, as
@@ -255,6 +275,7 @@ class Zero3Binding(DeepSpeedBinding):
         super()._install(ledger)
         opt, module = self.engine.optimizer, self.engine.module
         remove_zero3_hooks(opt.parameter_offload, ledger)
+        use_torch_linear(self.name, ledger)
         for bucket in opt.ipg_buckets.values():
             _release_reduce_bucket(bucket, ledger)
         ps = self.param_set
