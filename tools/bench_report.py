@@ -60,7 +60,8 @@ NOTES = [
      "between the measurement round and the timed ones (reset via /proc/self/clear_refs after "
      "malloc_trim; the timed steps are not trimmed, as no training loop is); it includes every other "
      "runner's resident memory in the same process. +step: that peak minus the RSS at the step's start. With CUDA the JSON also "
-     "has peak_device_mib (torch.cuda.max_memory_allocated over the timed steps)."),
+     "has peak_device_mib (torch.cuda.max_memory_allocated over the timed steps, max over ranks), "
+     "also the table's 'peak device MiB' column."),
     ("collectives/step and reduced/step: from torch.profiler over the measurement round, counting the "
      "process-group backend's events (gloo:* / nccl:*), which eager, DeepSpeed, DDP, FSDP2 and compiled "
      "(_c10d_functional) collectives all reach; reduced = input bytes of all_reduce / reduce_scatter / "
@@ -242,9 +243,10 @@ def format_table(result: dict[str, Any]) -> str:
     ratios = [(key, head) for base, key, head in RATIOS
               if base != "torch-compile-fused" or (ents.get(base) or {}).get("status") == "ok"]
     zero3 = w.get("stage") == 3
+    device = any((e.get("peak_device_mib") is not None) for e in ents.values() if e["status"] == "ok")
     headers = ["runner", "status", "step ms med [min, max]", *(h for _, h in ratios), "fwd / bwd / opt ms",
                "compile s", "grad", "optim", *(["gathered peak fwd / bwd"] if zero3 else []),
-               "peak RSS MiB", "+step MiB", "colls/step", "reduced/step (reductions)", "safety net",
+               "peak RSS MiB", "+step MiB", *(["peak device MiB"] if device else []), "colls/step", "reduced/step (reductions)", "safety net",
                "graphs/breaks (timed)",
                f"max abs dparam vs {ref or 'n/a'}"]
     rows, failures = [], []
@@ -266,6 +268,7 @@ def format_table(result: dict[str, Any]) -> str:
                      _num(e["compile_s"], ".1f"), _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
                      *([_gathered(e)] if zero3 else []),
                      _num(e["peak_rss_mib"], ".0f"), _num(e["step_rss_growth_mib"], ".1f"),
+                     *([_num(e.get("peak_device_mib"), ".0f")] if device else []),
                      e["collectives_per_step"], f"{_bytes(e['bytes_reduced_per_step'])} ({e['reductions_per_step']})",
                      "-" if e["eager_safety_net_per_step"] is None else e["eager_safety_net_per_step"], gb, diff_s])
     params = f", parameters {_bytes(w['param_bytes'])} in full" if w.get("param_bytes") else ""
