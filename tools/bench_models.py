@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("mlp", "gan", "gan-break", "chain3", "transformer")
+MODELS = ("mlp", "gan", "gan-break", "chain3", "transformer", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ DEFAULT_SIZES: dict[str, ModelSize] = {
     "gan-break": ModelSize(width=512, depth=6, batch=64),
     "chain3": ModelSize(width=512, depth=4, batch=64),
     "transformer": ModelSize(width=256, depth=2, batch=8, seq=64, vocab=1024, heads=4),
+    # examples/diffusers_text_encoder.py's shape: width = the UNet's first block channels (the
+    # second has 2x, the text encoder's hidden size), depth = text encoder layers, seq = prompt length
+    "diffusers": ModelSize(width=32, depth=2, batch=4, seq=8, vocab=256, heads=4),
 }
 
 TINY_SIZES: dict[str, ModelSize] = {
@@ -64,6 +67,7 @@ TINY_SIZES: dict[str, ModelSize] = {
     "gan-break": ModelSize(width=32, depth=2, batch=4),
     "chain3": ModelSize(width=32, depth=2, batch=4),
     "transformer": ModelSize(width=32, depth=1, batch=2, seq=8, vocab=64, heads=2),
+    "diffusers": ModelSize(width=8, depth=2, batch=2, seq=6, vocab=64, heads=2),
 }
 
 
@@ -79,6 +83,8 @@ def resolve_size(model: str, tiny: bool = False, **overrides: int | None) -> Mod
         raise ValueError(f"{model} needs depth >= 2")
     if model == "transformer" and size.width % size.heads:
         raise ValueError(f"transformer width {size.width} is not divisible by heads {size.heads}")
+    if model == "diffusers" and size.width % 4:
+        raise ValueError(f"diffusers width {size.width} must be a multiple of 4 (the UNet's GroupNorm groups)")
     return size
 
 
@@ -187,6 +193,40 @@ def loss_transformer(m, idx, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def loss_diffusers(m, noisy, timesteps, input_ids, target):
+    """DreamBooth's loss with the text encoder trained (examples/diffusers_text_encoder.py)."""
+    hidden = m["text_encoder"](input_ids)[0]
+    pred = m["unet"](noisy, timesteps, encoder_hidden_states=hidden).sample
+    return F.mse_loss(pred.float(), target.float())
+
+
+def _diffusers_workload(size: ModelSize) -> Workload:
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    w = size.width
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=size.vocab, hidden_size=2 * w, intermediate_size=4 * w, projection_dim=2 * w,
+        num_hidden_layers=size.depth, num_attention_heads=size.heads, max_position_embeddings=size.seq,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(w, 2 * w),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=2 * w, norm_num_groups=4, attention_head_dim=2)
+    scheduler = DDPMScheduler(num_train_timesteps=1000)
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        latents = torch.randn(size.batch, 4, 8, 8, generator=gen)
+        noise = torch.randn(latents.shape, generator=gen)
+        timesteps = torch.randint(0, 1000, (size.batch,), generator=gen)
+        ids = torch.randint(3, size.vocab, (size.batch, size.seq), generator=gen)
+        return scheduler.add_noise(latents, noise, timesteps), timesteps, ids, noise
+
+    return Workload("diffusers", size, {"text_encoder": text_encoder, "unet": unet}, loss_diffusers, batch,
+                    f"UNet2DConditionModel (channels {w}/{2 * w}, cross-attention) + CLIPTextModel ({size.depth} "
+                    f"layers, hidden {2 * w}), both trained, loss mse(unet(noisy, t, text(ids)), noise)")
+
+
 def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
     """Build the reference parts from ``seed`` (call on every rank: weights come out identical)."""
     torch.manual_seed(seed)
@@ -223,6 +263,8 @@ def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
         return Workload(model, size, {"body": body, "head": head}, loss_transformer, tokens,
                         f"GPT body (vocab {size.vocab}, seq {size.seq}, width {w}, {size.depth} blocks, "
                         f"{size.heads} heads) + LM head, loss cross_entropy(head(body(t)), next t)")
+    if model == "diffusers":
+        return _diffusers_workload(size)
     raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
 
 
