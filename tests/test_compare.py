@@ -383,3 +383,20 @@ def test_format_table_lists_failures():
     result["runners"] = {"ddp": ok, "torch-compile-fused": ideal}
     text = bench_report.format_table(result)
     assert "x ideal" in text and "1.0 / 0.5 / 0.2" in text and "1.0 KiB / 2.0 KiB (m)" in text
+
+
+def test_diffusers_and_offload_runners(tmp_path):
+    """The diffusers client workload (tiny) and the opt-in offload runners (ZeRO-3 mlp, tiny): each
+    ok, with its parameters within tolerance of DDP's."""
+    checks = (("diffusers", "2", "graphzero-eager,ddp"),
+              ("mlp", "3", "graphzero-offload,ds-offload,ddp"))
+    for model, stage, runners in checks:
+        proc = _compare(tmp_path, "--model", model, "--tiny", "--stage", stage, "--steps", "1", "--warmup", "1",
+                        "--runners", runners, "--json", f"{model}.json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads((tmp_path / f"{model}.json").read_text())
+        for name in runners.split(","):
+            entry = result["runners"][name]
+            assert entry["status"] == "ok", (model, name, entry.get("error"))
+            assert entry["params_match"] or name == "ddp", (model, name, entry["max_abs_param_diff"])
+    assert "ds-offload" not in compare.parse_args([]).runners   # opt-in
