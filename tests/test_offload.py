@@ -10,9 +10,18 @@ Tolerances as tests/test_deepspeed_parity_zero.py.
 from __future__ import annotations
 
 import pytest
-import torch
-from test_deepspeed_parity_zero import (assert_same, assert_same_norm, assert_same_params, compiled, config, mlp2,
-                                        reported_grads, square_loss, tensor_dtype, twins)
+from test_deepspeed_parity_zero import (
+    assert_same,
+    assert_same_norm,
+    assert_same_params,
+    compiled,
+    config,
+    mlp2,
+    reported_grads,
+    square_loss,
+    tensor_dtype,
+    twins,
+)
 from torch import nn
 
 import graphzero

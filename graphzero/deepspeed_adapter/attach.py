@@ -11,8 +11,8 @@ from ..ownership import check_same_world
 from . import names, step
 from .base import DeepSpeedBinding, binding_of
 from .bf16 import BF16Binding
-from .frozen import FrozenBinding, check_frozen, is_frozen
 from .ds_internals import _optimizer_kind, ds_attr
+from .frozen import FrozenBinding, check_frozen, is_frozen
 from .zero3 import Zero3Binding, check_zero3_config
 from .zero12 import ZeroBinding
 
