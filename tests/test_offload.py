@@ -42,11 +42,12 @@ def offload_config(stage: int, dtype: str, gas: int) -> dict:
     return cfg
 
 
-def offload_scenario(stage: int, dtype: str, steps: int = 3, gas: int = 2) -> dict:
+def train_twins(stage: int, dtype: str, cfg: dict, steps: int = 3) -> dict:
+    """The DeepSpeed-eager twin and graphzero's engine trained side by side, compared at every
+    boundary (gradients), after every step (norm) and at the end (parameters)."""
     rank, _ = rank_world()
-    ds, gz, _ = twins(stage, dtype, lambda: nn.Sequential(mlp2(), nn.GELU(), nn.Linear(4, 4)),
-                      offload_config(stage, dtype, gas))
-    assert getattr(gz.optimizer, "offload_optimizer" if stage == 3 else "cpu_offload")
+    gas = cfg["gradient_accumulation_steps"]
+    ds, gz, _ = twins(stage, dtype, lambda: nn.Sequential(mlp2(), nn.GELU(), nn.Linear(4, 4)), cfg)
     step = compiled(square_loss, stage, dtype)
     tdtype = tensor_dtype(dtype)
     for t in range(steps):
@@ -60,41 +61,29 @@ def offload_scenario(stage: int, dtype: str, steps: int = 3, gas: int = 2) -> di
             gz.step()
         assert_same_norm(gz, ds, dtype, f"step {t}")
     assert_same_params(gz, ds, dtype, "after training")
+    offloaded = (gz.zero_offload_optimizer() is not None, gz.zero_offload_param() is not None)
     graphzero.detach(gz)
-    return {"norm": float(gz.get_global_grad_norm())}
+    return {"norm": float(gz.get_global_grad_norm()), "offloaded": offloaded}
+
+
+def offload_scenario(stage: int, dtype: str) -> dict:
+    return train_twins(stage, dtype, offload_config(stage, dtype, gas=2))
 
 
 @pytest.mark.parametrize("stage,dtype", [(3, "fp32"), (3, "bf16"), (2, "fp32"), (2, "bf16"), (1, "fp32")])
 def test_optimizer_offload_matches_deepspeed_eager(ranks, stage, dtype):
     results = ranks.run(offload_scenario, stage, dtype)
-    assert results[0]["norm"] == results[1]["norm"]
+    assert results[0]["norm"] == results[1]["norm"] and results[0]["offloaded"] == (True, False)
 
 
-def param_offload_scenario(dtype: str, steps: int = 3, gas: int = 2) -> dict:
+def param_offload_scenario(dtype: str) -> dict:
     """ZeRO-3 with the parameters (``offload_param``) and the optimizer offloaded to the CPU."""
-    rank, _ = rank_world()
-    cfg = offload_config(3, dtype, gas)
+    cfg = offload_config(3, dtype, gas=2)
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    ds, gz, _ = twins(3, dtype, lambda: nn.Sequential(mlp2(), nn.GELU(), nn.Linear(4, 4)), cfg)
-    assert gz.zero_offload_param() is not None
-    step = compiled(square_loss, 3, dtype)
-    tdtype = tensor_dtype(dtype)
-    for t in range(steps):
-        for m in range(gas):
-            (x,) = data(gas * t + m, rank, (4, 4), dtype=tdtype)
-            ds.backward(square_loss(ds, x))
-            step(gz, x).backward()
-            if m == gas - 1:
-                assert_same(reported_grads(gz), reported_grads(ds), dtype, f"step {t} gradients")
-            ds.step()
-            gz.step()
-        assert_same_norm(gz, ds, dtype, f"step {t}")
-    assert_same_params(gz, ds, dtype, "after training")
-    graphzero.detach(gz)
-    return {"norm": float(gz.get_global_grad_norm())}
+    return train_twins(3, dtype, cfg)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_zero3_parameter_offload_matches_deepspeed_eager(ranks, dtype):
     results = ranks.run(param_offload_scenario, dtype)
-    assert results[0]["norm"] == results[1]["norm"]
+    assert results[0]["norm"] == results[1]["norm"] and results[0]["offloaded"] == (True, True)

@@ -12,7 +12,6 @@ import weakref
 
 import torch
 
-from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
 from .base import DeepSpeedBinding
 from .ledger import PatchLedger
@@ -65,20 +64,8 @@ class ZeroBinding(DeepSpeedBinding):
     # -- optimizer offload (offload_optimizer: cpu) ------------------------------------------------
     def _install(self, ledger: PatchLedger) -> None:
         super()._install(ledger)
-        opt = self.engine.optimizer
-        if not opt.cpu_offload:
-            return
-        if self.param_set.device.type != "cpu":
-            raise UnsupportedConfigError(
-                f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero copies "
-                "gradients into DeepSpeed's CPU partitions only where the engine runs on the CPU so far")
-        original = opt.step
-
-        def step(closure=None):
-            self._copy_to_offloaded()
-            return original(closure)
-
-        ledger.set_attr(opt, "step", step)
+        if self.engine.optimizer.cpu_offload:
+            self._install_offloaded_step(ledger)
 
     @torch.no_grad()
     def _copy_to_offloaded(self) -> None:
@@ -96,7 +83,3 @@ class ZeroBinding(DeepSpeedBinding):
                 source = sink.narrow(0, int(opt.grad_partition_insertion_offset[i][partition][pid]), int(n))
                 opt.norm_for_param_grads[pid] = source.to(get_norm_dtype()).norm(2)
                 fp32_grad.narrow(0, dest, n).copy_(source.to(fp32_grad.dtype))
-
-    def backward_ended(self) -> None:
-        if self.engine.optimizer.cpu_offload and self.installed and self.at_boundary():
-            self._copy_to_offloaded()

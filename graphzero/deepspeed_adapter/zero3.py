@@ -162,7 +162,6 @@ class Zero3Binding(DeepSpeedBinding):
         self._installed_lists: dict[int, tuple[tuple[bool, ...], list]] = {}
         self._stale = False
         self._frozen_listed = False
-        self._offloaded = False   # optimizer offload (_install_offload)
         super().__init__(engine, name)
 
     @property
@@ -301,26 +300,14 @@ class Zero3Binding(DeepSpeedBinding):
         """Optimizer offload: DeepSpeed's gradient partitions (``grad_partitions_flat_buffer``) are
         host buffers, and its epilogue copies each into the CPU optimizer's fp32 gradient at the
         boundary (``_offload_grad_partition_at_boundary``, which also records the per-parameter norm
-        its step reads). graphzero's graphs accumulate into those partitions; the end of a backward at
-        the boundary (``safe_get_full_grad`` reads the copy) and ``step()`` make DeepSpeed's boundary
-        copy of every parameter; after ``step()`` the next window starts from zeros."""
-        opt = self.engine.optimizer
-        flat = opt.grad_partitions_flat_buffer
-        if flat.device.type != self.param_set.device.type:
+        its step reads). graphzero's graphs accumulate into those partitions; the boundary copy is
+        made at the end of the boundary backward and in ``step()`` (base.py); after ``step()`` the
+        next window starts from zeros."""
+        if self.engine.optimizer.grad_partitions_flat_buffer.device.type != self.param_set.device.type:
             raise UnsupportedConfigError(
                 f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero "
                 "accumulates gradients into DeepSpeed's host partitions only where the engine runs on the CPU so far")
-        original = opt.step
-
-        def step(closure=None):
-            self._copy_to_offloaded()
-            try:
-                return original(closure)
-            finally:
-                self._stale = True
-
-        ledger.set_attr(opt, "step", step)
-        self._offloaded = True
+        self._install_offloaded_step(ledger)
 
     @torch.no_grad()
     def _copy_to_offloaded(self) -> None:
@@ -330,9 +317,8 @@ class Zero3Binding(DeepSpeedBinding):
             for p in group:
                 opt._offload_grad_partition_at_boundary(p, views[p.ds_id], {}, {})
 
-    def backward_ended(self) -> None:
-        if self._offloaded and self.installed and self.at_boundary():
-            self._copy_to_offloaded()
+    def _after_offloaded_step(self) -> None:
+        self._stale = True
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
