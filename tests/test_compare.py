@@ -385,10 +385,12 @@ def test_format_table_lists_failures():
     assert "x ideal" in text and "1.0 / 0.5 / 0.2" in text and "1.0 KiB / 2.0 KiB (m)" in text
 
 
-def test_diffusers_and_offload_runners(tmp_path):
-    """The diffusers client workload (tiny) and the opt-in offload runners (ZeRO-3 mlp, tiny): each
-    ok, with its parameters within tolerance of DDP's."""
+def test_client_workloads_and_offload_runners(tmp_path):
+    """The diffusers and RLHF client workloads (tiny; RLHF with its frozen reference and reward in
+    every runner) and the opt-in offload runners (ZeRO-3 mlp, tiny): each ok, with its parameters
+    within tolerance of DDP's."""
     checks = (("diffusers", "2", "graphzero-eager,ddp"),
+              ("rlhf", "3", "graphzero-eager,ds-plain-backward,fsdp2,ddp"),
               ("mlp", "3", "graphzero-offload,ds-offload,ddp"))
     for model, stage, runners in checks:
         proc = _compare(tmp_path, "--model", model, "--tiny", "--stage", stage, "--steps", "1", "--warmup", "1",

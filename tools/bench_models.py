@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("mlp", "gan", "gan-break", "chain3", "transformer", "diffusers")
+MODELS = ("mlp", "gan", "gan-break", "chain3", "transformer", "diffusers", "rlhf")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ DEFAULT_SIZES: dict[str, ModelSize] = {
     # examples/diffusers_text_encoder.py's shape: width = the UNet's first block channels (the
     # second has 2x, the text encoder's hidden size), depth = text encoder layers, seq = prompt length
     "diffusers": ModelSize(width=32, depth=2, batch=4, seq=8, vocab=256, heads=4),
+    # examples/rlhf_ppo.py's shape: GPT-2 width/depth/heads, seq = the rolled-out sequence length
+    "rlhf": ModelSize(width=128, depth=3, batch=8, seq=32, vocab=256, heads=2),
 }
 
 TINY_SIZES: dict[str, ModelSize] = {
@@ -68,6 +70,7 @@ TINY_SIZES: dict[str, ModelSize] = {
     "chain3": ModelSize(width=32, depth=2, batch=4),
     "transformer": ModelSize(width=32, depth=1, batch=2, seq=8, vocab=64, heads=2),
     "diffusers": ModelSize(width=8, depth=2, batch=2, seq=6, vocab=64, heads=2),
+    "rlhf": ModelSize(width=16, depth=1, batch=2, seq=8, vocab=64, heads=2),
 }
 
 
@@ -83,6 +86,8 @@ def resolve_size(model: str, tiny: bool = False, **overrides: int | None) -> Mod
         raise ValueError(f"{model} needs depth >= 2")
     if model == "transformer" and size.width % size.heads:
         raise ValueError(f"transformer width {size.width} is not divisible by heads {size.heads}")
+    if model == "rlhf" and size.width % size.heads:
+        raise ValueError(f"rlhf width {size.width} is not divisible by heads {size.heads}")
     if model == "diffusers" and size.width % 4:
         raise ValueError(f"diffusers width {size.width} must be a multiple of 4 (the UNet's GroupNorm groups)")
     return size
@@ -101,6 +106,12 @@ class Workload:
     loss: Callable[..., torch.Tensor]
     make_batch: Callable[[torch.Generator], tuple[torch.Tensor, ...]]
     description: str
+    # parts called inside the step but never trained (RLHF's reference and reward models)
+    frozen: tuple[str, ...] = ()
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        return tuple(k for k in self.parts if k not in self.frozen)
 
     def numel(self) -> dict[str, int]:
         return {name: sum(p.numel() for p in part.parameters()) for name, part in self.parts.items()}
@@ -227,6 +238,70 @@ def _diffusers_workload(size: ModelSize) -> Workload:
                     f"layers, hidden {2 * w}), both trained, loss mse(unet(noisy, t, text(ids)), noise)")
 
 
+class ValueModel(nn.Module):
+    """GPT-2 body with a scalar head: the critic (per token) and the reward model (last token)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import GPT2Model
+        self.body = GPT2Model(config)
+        self.head = nn.Linear(config.n_embd, 1)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return self.head(hidden.last_hidden_state).squeeze(-1)
+
+
+def _token_logp(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seq[:, 1:, None]).squeeze(-1)
+
+
+def loss_rlhf(m, seq, attn, action, old_logp, old_values):
+    """examples/rlhf_ppo.py's clipped PPO loss, with the frozen models inside the step: the
+    reference's log-probabilities (KL term) and the reward model's score (the returns)."""
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logp = _token_logp(m["actor"](input_ids=seq, attention_mask=attn, position_ids=pos).logits, seq)
+    with torch.no_grad():
+        ref_logp = _token_logp(m["reference"](input_ids=seq, attention_mask=attn, position_ids=pos).logits, seq)
+        returns = m["reward"](seq, attn, pos)[:, -1:].float().expand_as(old_values)
+    advantages = (returns - old_values) * action
+    ratio = torch.exp(logp - old_logp)
+    policy = -torch.min(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    values = m["critic"](seq, attn, pos)[:, :-1].float()
+    clipped = old_values + (values - old_values).clamp(-0.2, 0.2)
+    value = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    n = action.sum()
+    return ((policy + 0.05 * (logp - ref_logp)) * action).sum() / n + 0.5 * (value * action).sum() / n
+
+
+def _rlhf_workload(size: ModelSize) -> Workload:
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=size.vocab, n_positions=size.seq, n_embd=size.width, n_layer=size.depth,
+                        n_head=size.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=None, eos_token_id=None)
+    actor = GPT2LMHeadModel(config)
+    parts = {"actor": actor, "critic": ValueModel(config), "reference": copy.deepcopy(actor).requires_grad_(False),
+             "reward": ValueModel(config).requires_grad_(False)}
+    prompt = size.seq // 2
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        seq = torch.randint(0, size.vocab, (size.batch, size.seq), generator=gen)
+        attn = torch.ones_like(seq)
+        attn[0, : prompt // 2] = 0   # a left-padded prompt
+        action = torch.zeros(size.batch, size.seq - 1)
+        action[:, prompt - 1:] = 1.0   # the generated tokens
+        old_logp = -torch.rand(size.batch, size.seq - 1, generator=gen) * 4
+        old_values = torch.randn(size.batch, size.seq - 1, generator=gen) * 0.1
+        return seq, attn, action, old_logp, old_values
+
+    return Workload("rlhf", size, parts, loss_rlhf, batch,
+                    f"PPO: GPT-2 actor + critic trained, reference + reward frozen inside the step ({size.depth} "
+                    f"layers, width {size.width}, seq {size.seq})", frozen=("reference", "reward"))
+
+
 def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
     """Build the reference parts from ``seed`` (call on every rank: weights come out identical)."""
     torch.manual_seed(seed)
@@ -265,6 +340,8 @@ def build_workload(model: str, size: ModelSize, seed: int = 0) -> Workload:
                         f"{size.heads} heads) + LM head, loss cross_entropy(head(body(t)), next t)")
     if model == "diffusers":
         return _diffusers_workload(size)
+    if model == "rlhf":
+        return _rlhf_workload(size)
     raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
 
 

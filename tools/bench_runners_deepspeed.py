@@ -34,6 +34,10 @@ class DeepSpeedPlainBackward(Runner):
         for part_name, module in self.ctx.fresh_parts().items():
             config = self.ctx.ds_config(self.extra_config)
             config["zero_optimization"].update(self.zero_config)
+            if part_name in self.ctx.workload.frozen:
+                # no optimizer: a ZeRO-3 inference engine, as examples/rlhf_ppo.py's reference and reward
+                del config["optimizer"], config["gradient_clipping"]
+                config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
             engine, *_ = deepspeed.initialize(model=module, config=config)
             self.engines[part_name] = engine
 
@@ -49,14 +53,17 @@ class DeepSpeedPlainBackward(Runner):
     def run_backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def trained_engines(self) -> list[Any]:
+        return [e for k, e in self.engines.items() if k not in self.ctx.workload.frozen]
+
     def backward(self, loss, boundary):
         self.run_backward(loss)
         if not boundary:
-            for engine in self.engines.values():
+            for engine in self.trained_engines():
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
 
     def optimizer_step(self) -> None:
-        for engine in self.engines.values():
+        for engine in self.trained_engines():
             engine.step()
 
     def memory_tensors(self):
@@ -83,10 +90,16 @@ class DeepSpeedPlainBackward(Runner):
         return [p for e in self.engines.values() for p in e.module.parameters() if p.numel()]
 
     def full_params(self):
+        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
         out = {}
         for part_name, engine in self.engines.items():
+            if part_name in self.ctx.workload.frozen:   # no optimizer, no fp32 master: gather the module's
+                params = list(engine.module.named_parameters())
+                with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                    out.update({f"{part_name}.{pn}": p.detach().float().cpu().clone() for pn, p in params})
+                continue
             for pn, p in engine.module.named_parameters():
                 full = safe_get_full_fp32_param(p)
                 out[f"{part_name}.{pn}"] = (p.detach() if full is None else full).float().cpu().clone()
@@ -108,7 +121,7 @@ class DeepSpeedEngineBackward(DeepSpeedPlainBackward):
     name = "ds-engine-backward"
 
     def run_backward(self, loss):
-        list(self.engines.values())[-1].backward(loss)
+        self.trained_engines()[-1].backward(loss)
 
 
 class GraphZeroRunner(DeepSpeedPlainBackward):

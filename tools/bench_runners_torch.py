@@ -29,9 +29,15 @@ class _TorchRunner(Runner):
     def _inner(self, model: nn.Module) -> nn.Module:
         return model
 
+    def _wrap_frozen(self, module: nn.Module) -> nn.Module:
+        """A part the step calls but never trains (no gradient to synchronize)."""
+        return module
+
     def setup(self) -> None:
-        self.models = {k: self._wrap(m.to(self.ctx.device)) for k, m in self.ctx.fresh_parts().items()}
-        self.optims = {k: self._optimizer(m.parameters()) for k, m in self.models.items()}
+        frozen = self.ctx.workload.frozen
+        self.models = {k: (self._wrap_frozen if k in frozen else self._wrap)(m.to(self.ctx.device))
+                       for k, m in self.ctx.fresh_parts().items()}
+        self.optims = {k: self._optimizer(m.parameters()) for k, m in self.models.items() if k not in frozen}
 
     def compute_loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return self.ctx.workload.loss(self.models, *batch)
@@ -47,10 +53,10 @@ class _TorchRunner(Runner):
         (loss / self.ctx.gas).backward()
 
     def optimizer_step(self) -> None:
-        for k, model in self.models.items():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.ctx.hyper.clip)
-            self.optims[k].step()
-            self.optims[k].zero_grad(set_to_none=True)
+        for k, optim in self.optims.items():
+            torch.nn.utils.clip_grad_norm_(self.models[k].parameters(), self.ctx.hyper.clip)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
 
     def memory_tensors(self):
         grads: TensorList = []
@@ -61,7 +67,8 @@ class _TorchRunner(Runner):
                 params.append(local_tensor(p))
                 if p.grad is not None:
                     grads.append((f"{k}.{pn}.grad", local_tensor(p.grad)))
-            walk_tensors(self.optims[k].state, f"{k}.optim.state", state)
+            if k in self.optims:
+                walk_tensors(self.optims[k].state, f"{k}.optim.state", state)
         return grads, state, params
 
     def full_params(self):
@@ -91,14 +98,14 @@ class DDPRunner(_TorchRunner):
         return DDP(module, device_ids=ids, gradient_as_bucket_view=True)
 
     def _inner(self, model):
-        return model.module
+        return getattr(model, "module", model)
 
     def micro_context(self, boundary):
         if boundary:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        for model in self.models.values():
-            stack.enter_context(model.no_sync())
+        for k in self.optims:
+            stack.enter_context(self.models[k].no_sync())
         return stack
 
 
@@ -134,13 +141,23 @@ class FSDP2Runner(_TorchRunner):
         if self.ctx.bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.ctx.stage == 3:
-            for unit in shard_units(module):
-                fully_shard(unit, mesh=self._mesh, reshard_after_forward=True, **kwargs)
+            units = shard_units(module)
+            # a tied parameter (GPT-2's lm_head and wte) cannot be in two FSDP groups: the root keeps it
+            owners: dict[int, int] = {}
+            for unit in units:
+                for p in unit.parameters():
+                    owners[id(p)] = owners.get(id(p), 0) + 1
+            for unit in units:
+                if all(owners[id(p)] == 1 for p in unit.parameters()):
+                    fully_shard(unit, mesh=self._mesh, reshard_after_forward=True, **kwargs)
         return fully_shard(module, mesh=self._mesh, **kwargs)
 
+    def _wrap_frozen(self, module):
+        return self._wrap(module)   # sharded and gathered like the trained parts (a frozen ZeRO-3 engine)
+
     def micro_context(self, boundary):
-        for model in self.models.values():
-            model.set_requires_gradient_sync(boundary)
+        for k in self.optims:
+            self.models[k].set_requires_gradient_sync(boundary)
         return contextlib.nullcontext()
 
     def gathered_params(self):
