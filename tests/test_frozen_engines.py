@@ -3,8 +3,8 @@ to a trained one, their gathers in the compiled step.
 
 The shape of DeepSpeed #8130: a student (ZeRO-3 or ZeRO-2) whose checkpointed block (torch's
 non-reentrant and reentrant checkpoint) takes a frozen teacher's output, computed under no_grad, as
-an input; a frozen judge (ZeRO-3) that the gradient flows through, called inside a non-reentrant
-checkpoint (gathered again in the recompute); gas 2, 3 optimizer steps. Against a single-process
+an input; a frozen judge (ZeRO-3) that the gradient flows through, called inside a checkpoint of
+the same kind (gathered again in the recompute); gas 2, 3 optimizer steps. Against a single-process
 reference: the student's gradients at every boundary and its clipped norm; after every backward no
 ZeRO-3 parameter of any engine holds data and no frozen parameter a gradient; one graph, no graph
 break; outside the compiled step and after detach the teacher computes what the reference does.
@@ -48,12 +48,15 @@ class Student(nn.Module):
         return self.b(checkpoint(self.block, self.inp(x), hint, use_reentrant=self.reentrant))
 
 
-def loss_fn(models, x, y):
-    with torch.no_grad():
-        hint = models["teacher"](x)
-    out = models["student"](x, hint)
-    judged = checkpoint(models["judge"], out, use_reentrant=False)
-    return ((out - y) ** 2).mean() + 0.1 * judged.pow(2).mean()
+def make_loss(reentrant: bool):
+    def loss_fn(models, x, y):
+        with torch.no_grad():
+            hint = models["teacher"](x)
+        out = models["student"](x, hint)
+        # the frozen judge gathered again in the checkpoint's recompute
+        judged = checkpoint(models["judge"], out, use_reentrant=reentrant)
+        return ((out - y) ** 2).mean() + 0.1 * judged.pow(2).mean()
+    return loss_fn
 
 
 def frozen_config(stage: int, offload: bool = False) -> dict:
@@ -92,6 +95,7 @@ def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, st
     eng = {"student": engine(models["student"], cfg),
            "teacher": frozen_engine(models["teacher"], teacher_stage, offload),
            "judge": frozen_engine(models["judge"], 3, offload)}
+    loss_fn = make_loss(reentrant)
     step = torch.compile(loss_fn, backend="graphzero", options={"engines": eng})
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
