@@ -13,8 +13,6 @@ A frozen engine has no gradient and no optimizer step of graphzero's: nothing is
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 
@@ -28,8 +26,6 @@ from .ds_internals import ds_attr
 from .ledger import PatchLedger
 from .step.zero3_update import coalesce_gathers
 from .zero3 import gather_plan, remove_zero3_hooks, reuse_distance, use_torch_linear
-
-log = logging.getLogger("graphzero")
 
 
 def is_frozen(engine) -> bool:
