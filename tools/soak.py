@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompile-every", type=int, default=0,
                    help="compile the step anew every N steps (torch._dynamo.reset()); 0: never")
     p.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="option overlap=False: each collective waited for right after it is issued")
     p.add_argument("--deepspeed-step", action="store_true",
                    help="DeepSpeed's own optimizer step (option lean_step=False): graphzero's fused update out")
     p.add_argument("--collective", choices=("auto", "reduce_scatter", "all_to_all", "all_reduce"), default="auto",
@@ -90,7 +92,8 @@ def run_rank(args: argparse.Namespace) -> dict | None:
                for name, part in work.parts.items()}
     step = torch.compile(work.loss, backend="graphzero", options={"engines": engines, "inner": args.inner,
                                                                    "collective": args.collective,
-                                                                   "lean_step": not args.deepspeed_step})
+                                                                   "lean_step": not args.deepspeed_step,
+                                                                   "overlap": not args.no_overlap})
     gen = torch.Generator().manual_seed(1000 + rank)
     samples, start = [], time.perf_counter()
     for t in range(1, args.steps + 1):
