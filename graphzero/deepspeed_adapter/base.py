@@ -64,7 +64,7 @@ class DeepSpeedBinding:
         self._logged_hooked: set[int] = set()
         # gradients the eager safety net reduced (compiled graphs deliver none): for benchmarks
         self.eager_gradients = 0
-        self._offloaded = False   # optimizer offload (_install_offloaded_step)
+        self.offload_copy = None   # optimizer offload: the boundary copy (offload.py), set while attached
         # the engine's step options (attach: step.settle), and what install() put in its step
         self.settings = Settings()
         self.step: StepInstall | None = None
@@ -93,37 +93,9 @@ class DeepSpeedBinding:
 
     def backward_ended(self) -> None:
         """A backward that reached the engine ended (runtime/state.py): with optimizer offload, at the
-        boundary, DeepSpeed's copy into the CPU optimizer's gradient (``safe_get_full_grad`` reads it)."""
-        if self._offloaded and self.installed and self.at_boundary():
-            self._copy_to_offloaded()
-
-    # -- optimizer offload (offload_optimizer: cpu); the subclass makes the copy -------------------
-    def _copy_to_offloaded(self) -> None:
-        """The boundary copy of this rank's gradient partition into the CPU optimizer's fp32 gradient."""
-        raise NotImplementedError
-
-    def _after_offloaded_step(self) -> None:
-        """After an offloaded ``step()``."""
-
-    def _install_offloaded_step(self, ledger: PatchLedger) -> None:
-        """``optimizer.step()`` makes the boundary copy first (again: idempotent, and a step may come
-        without a backward end in between, e.g. after the eager safety net)."""
-        if self.param_set.device.type != "cpu":
-            raise UnsupportedConfigError(
-                f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero copies "
-                "gradients into DeepSpeed's CPU buffers only where the engine runs on the CPU so far")
-        opt = self.engine.optimizer
-        original = opt.step
-
-        def step(closure=None):
-            self._copy_to_offloaded()
-            try:
-                return original(closure)
-            finally:
-                self._after_offloaded_step()
-
-        ledger.set_attr(opt, "step", step)
-        self._offloaded = True
+        boundary, the copy into the CPU optimizer's gradient (offload.py)."""
+        if self.offload_copy is not None and self.at_boundary():
+            self.offload_copy()
 
     def gradient_accumulation_steps(self) -> int:
         return self.engine.gradient_accumulation_steps()

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from ..ownership import FlatGroup
+from . import offload
 from .base import DeepSpeedBinding
 from .ledger import PatchLedger
 
@@ -65,7 +66,7 @@ class ZeroBinding(DeepSpeedBinding):
     def _install(self, ledger: PatchLedger) -> None:
         super()._install(ledger)
         if self.engine.optimizer.cpu_offload:
-            self._install_offloaded_step(ledger)
+            offload.install(self, ledger, self._copy_to_offloaded)
 
     @torch.no_grad()
     def _copy_to_offloaded(self) -> None:

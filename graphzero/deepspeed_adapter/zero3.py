@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedConfigError
 from ..ownership import FlatGroup
-from . import zero3_module
+from . import offload, zero3_module
 from .base import _BINDING_ATTR, DeepSpeedBinding
 from .ds_internals import ds_attr
 from .ledger import PatchLedger
@@ -301,13 +301,13 @@ class Zero3Binding(DeepSpeedBinding):
         host buffers, and its epilogue copies each into the CPU optimizer's fp32 gradient at the
         boundary (``_offload_grad_partition_at_boundary``, which also records the per-parameter norm
         its step reads). graphzero's graphs accumulate into those partitions; the boundary copy is
-        made at the end of the boundary backward and in ``step()`` (base.py); after ``step()`` the
+        made at the end of the boundary backward and in ``step()`` (offload.py); after ``step()`` the
         next window starts from zeros."""
         if self.engine.optimizer.grad_partitions_flat_buffer.device.type != self.param_set.device.type:
             raise UnsupportedConfigError(
                 f"engine {self.name!r}: optimizer offload of an engine on {self.param_set.device}: graphzero "
                 "accumulates gradients into DeepSpeed's host partitions only where the engine runs on the CPU so far")
-        self._install_offloaded_step(ledger)
+        offload.install(self, ledger, self._copy_to_offloaded, after_step=self.drop_sinks)
 
     @torch.no_grad()
     def _copy_to_offloaded(self) -> None:
@@ -316,9 +316,6 @@ class Zero3Binding(DeepSpeedBinding):
         for group in opt.fp16_groups:
             for p in group:
                 opt._offload_grad_partition_at_boundary(p, views[p.ds_id], {}, {})
-
-    def _after_offloaded_step(self) -> None:
-        self._stale = True
 
     def _check_frozen_groups(self, module) -> None:
         """Frozen ZeRO-3 parameters (a LoRA base) are gathered too, over the optimizer's group."""
