@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from graphzero_tools import bench_metrics, bench_report, compare
+from graphzero_tools import bench_metrics, bench_overlap, bench_report, compare
 from graphzero_tools.bench_models import build_workload, resolve_size
 
 TOP_KEYS = {"schema", "command", "argv", "args", "date", "machine", "workload", "reference",
@@ -43,7 +43,8 @@ def _graphzero_import_error() -> str | None:
 def mlp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare_mlp")
     proc = _compare(tmp, "--model", "mlp", "--stage", "2", "--steps", str(STEPS),
-                    "--runners", ",".join(MLP_RUNNERS), "--json", "out.json", "--plot", "out.png")
+                    "--runners", ",".join(MLP_RUNNERS), "--json", "out.json", "--plot", "out.png",
+                    "--timeline", "timeline.png")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return SimpleNamespace(proc=proc, tmp=tmp, result=json.loads((tmp / "out.json").read_text()))
 
@@ -81,6 +82,12 @@ def test_ok_runners_have_metrics(mlp_run):
         assert e["gathered_peak_bytes"] is None  # ZeRO-2: nothing is gathered per module
         assert 1 <= e["reductions_per_step"] <= e["collectives_per_step"]
         assert e["eager_safety_net_per_step"] is None  # graphzero runners only
+        if mlp_run.result["workload"]["device"] == "cpu":   # collective time, hidden and exposed, per rank
+            assert len(e["overlap_per_rank"]) == 2 and e["collective_ms"] > 0, name
+            for ov in e["overlap_per_rank"]:
+                assert ov["hidden_ms"] + ov["exposed_ms"] == pytest.approx(ov["collective_ms"], abs=2e-3)
+                assert 0 <= ov["hidden_fraction"] <= 1 and ov["timeline"]["collectives"], name
+                assert ov["compute_ms"] > 0 and ov["span_ms"] >= ov["collective_ms"], name
     assert runners["ddp"]["ratio_vs_ddp"] == 1.0 and runners["ddp"]["max_abs_param_diff"] == 0.0
     assert runners["ds-plain-backward"]["ratio_vs_ds_plain_backward"] == 1.0
     # Same weights and data: DeepSpeed ZeRO-2 and FSDP2 land on DDP's parameters (fp32, tiny model).
@@ -119,8 +126,9 @@ def test_table_printed(mlp_run):
 
 def test_plot_written(mlp_run):
     pytest.importorskip("matplotlib")
-    png = mlp_run.tmp / "out.png"
-    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("out.png", "timeline.png"):
+        png = mlp_run.tmp / name
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 ZERO3_RUNNERS = ["graphzero-eager", "ds-engine-backward", "fsdp2", "ddp"]
@@ -271,6 +279,26 @@ def test_summarize_collectives():
     s = bench_metrics.summarize_collectives(ev, world_size=2)
     assert s["by_op"] == {"all_gather": {"count": 1, "bytes": 24}, "all_to_all": {"count": 1, "bytes": 24}}
     assert s["bytes_reduced"] == 24 and s["reductions"] == 1 and s["bytes_gathered"] == 48
+
+
+def _event(name, thread, start, end, children=()):
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_children=list(children))
+
+
+def test_step_overlap():
+    kernel_a, wait, kernel_b = (_event("graph_0_cpp_fused_0", 1, 0, 10), _event("_c10d_functional::wait_tensor", 1, 10, 20),
+                                _event("aten::mm", 1, 20, 30))
+    events = [_event("## Call CompiledFxGraph ##", 1, 0, 30, [kernel_a, wait, kernel_b]), kernel_a, wait, kernel_b,
+              _event("_c10d_functional::all_to_all_single", 1, 4, 5),   # the launch: on the step thread, not compute
+              _event("gloo:all_to_all", 7, 5, 25), _event("gloo:all_reduce", 8, 22, 40)]
+    ov = bench_overlap.step_overlap(events)
+    # collectives 5-40 (35 µs); the step thread computes 0-10 and 20-30: 5-10 and 20-30 hidden
+    assert ov["collective_ms"] == pytest.approx(0.035) and ov["hidden_ms"] == pytest.approx(0.015)
+    assert ov["exposed_ms"] == pytest.approx(0.020) and ov["hidden_fraction"] == pytest.approx(15 / 35, abs=1e-3)
+    assert ov["timeline"]["collectives"] == [[5, 40]] and ov["timeline"]["compute"] == [[0, 10], [20, 30]]
+    assert bench_overlap.step_overlap([]) is None
+    assert bench_overlap.intersect([(0, 2), (5, 9)], [(1, 6), (8, 20)]) == [(1, 2), (5, 6), (8, 9)]
 
 
 def test_storage_bytes_dedupes_views_and_excludes():

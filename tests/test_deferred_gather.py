@@ -151,3 +151,35 @@ def test_missing_wait_is_detected(ranks):
 def test_step_options_are_validated(options, match):
     with pytest.raises(OptionError, match=match):
         Options.parse(options)
+
+
+def unguarded_scenario() -> dict:
+    """The reads docs/usage.md names as not guarded, right after ``step()`` on rank 0 (rank 1
+    sleeps before its step, so rank 0's gather is still in flight): a parameter reached by
+    attribute (``module[-1].weight``, through ``nn.Module.__getattr__``; the last layer lies in rank
+    1's partition, so rank 0 receives it from the gather) and a parameter tensor kept from before
+    ``step()``. Both still hold the pre-gather bytes until ``graphzero.wait_params``."""
+    rank, _ = rank_world()
+    deferred, waited = _engines(), _engines()
+    step_d = torch.compile(gan_step, backend="graphzero", options={"engines": deferred, "defer_param_gather": True})
+    step_w = torch.compile(gan_step, backend="graphzero", options={"engines": waited, "defer_param_gather": False})
+    z, real = data(0, rank, (4, 8), (4, 8))
+    step_d(deferred, z, real).backward()
+    step_w(waited, z, real).backward()
+    held = deferred["gen"].module[-1].weight            # kept from before step()
+    _step_all(waited)
+    _step_all(deferred)
+    expected = waited["gen"].module[-1].weight.detach().clone()
+    attribute = deferred["gen"].module[-1].weight.detach().clone()   # read at once, no wait
+    kept = held.detach().clone()
+    graphzero.wait_params(*deferred.values())
+    after_wait = deferred["gen"].module[-1].weight.detach().clone()
+    return {"attribute_stale": not torch.equal(attribute, expected), "held_stale": not torch.equal(kept, expected),
+            "after_wait_exact": torch.equal(after_wait, expected)}
+
+
+def test_unguarded_reads_are_the_documented_ones(ranks):
+    # If one of these becomes guarded, this fails: update docs/usage.md's defer_param_gather row.
+    first = ranks.run(unguarded_scenario)[0]
+    assert first["attribute_stale"] and first["held_stale"], first
+    assert first["after_wait_exact"], first

@@ -162,7 +162,7 @@ class GatheredParamProbe(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_COLLECTIVE_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl|hccl):(\w+)$")
+COLLECTIVE_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl|hccl):(\w+)$")
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "long": 8,
                 "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
                 "c10::complex<float>": 8, "c10::complex<double>": 16}
@@ -180,7 +180,7 @@ def summarize_collectives(events: Iterable[Any], world_size: int) -> dict[str, A
     by_op: dict[str, dict[str, int]] = {}
     reduced = gathered = reductions = 0
     for e in events:
-        m = _COLLECTIVE_EVENT.match(getattr(e, "name", "") or "")
+        m = COLLECTIVE_EVENT.match(getattr(e, "name", "") or "")
         if not m:
             continue
         op = m.group(2)

@@ -34,7 +34,8 @@ RUNNER_KEYS = (
     "bytes_reduced_per_step", "bytes_gathered_per_step", "collectives_by_op", "max_abs_param_diff",
     "params_match", "final_loss", "losses", "graphs", "graph_breaks", "timed_graphs",
     "phase_ms", "ratio_vs_torch_compile_fused", "gathered_peak_bytes", "gathered_peak_source",
-    "reductions_per_step", "eager_safety_net_per_step",
+    "reductions_per_step", "eager_safety_net_per_step", "collective_ms", "exposed_ms", "hidden_fraction",
+    "overlap_per_rank",
 )
 #: Ratio columns: (baseline runner, JSON key, table header).
 RATIOS = (("ddp", "ratio_vs_ddp", "x ddp"), ("ds-plain-backward", "ratio_vs_ds_plain_backward", "x ds-plain"),
@@ -79,6 +80,13 @@ NOTES = [
      "safety net (graphzero only): gradients that eager autograd accumulated into an engine's parameter "
      "(ZeRO-3: shard) in the measurement step, each one call of graphzero's eager safety net (0 when "
      "every gradient goes through the compiled graphs)."),
+    ("coll ms (hidden %): per optimizer step in the measurement round, the slowest rank's time with a "
+     "collective in flight (the union of the backend's ranges, gloo:* on its worker threads) and the "
+     "share of it that ran while the step thread computed (its innermost operator and inductor-kernel "
+     "ranges, waits excluded); exposed = the rest: waiting, or Python between operators. Per rank, with "
+     "each rank's timeline, in the JSON (overlap_per_rank); --timeline draws them. CPU only: on CUDA "
+     "the collectives run on the device and the column is n/a. On 2 CPU cores a transfer and compute "
+     "share the cores, so hidden means overlapped in time, not free."),
     ("max abs dparam: max abs difference of the final full fp32 parameters from the reference runner "
      "(same initial weights and data); 'ok' when within the stated tolerance."),
 ]
@@ -161,6 +169,7 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
                 phase_ms=_phase_medians([r["phase_s"] for r in ranks]),
                 gathered_peak_bytes=next((r["gathered_peak"] for r in ranks if r["gathered_peak"]), None),
                 gathered_peak_source=next((r["gathered_source"] for r in ranks if r["gathered_source"]), None),
+                overlap_per_rank=[r.get("overlap") for r in ranks],
                 max_abs_param_diff=diffs.get(name),
                 params_match=None if diffs.get(name) is None else bool(diffs[name] <= tol),
             )
@@ -168,6 +177,12 @@ def build_result(args, workload, world, backend, device, threads, per_rank: list
             ob = [b for b in entry["optim_bytes_per_rank"] if b is not None]
             entry["grad_bytes"] = max(gb) if gb else None
             entry["optim_bytes"] = max(ob) if ob else None
+            overlaps = [o for o in entry["overlap_per_rank"] if o]
+            if overlaps and len(overlaps) == len(ranks):
+                slowest = max(overlaps, key=lambda o: o["collective_ms"])
+                entry.update(collective_ms=slowest["collective_ms"], exposed_ms=max(o["exposed_ms"] for o in overlaps),
+                             hidden_fraction=min((o["hidden_fraction"] for o in overlaps
+                                                  if o["hidden_fraction"] is not None), default=None))
         runners[name] = entry
     for name, entry in runners.items():
         for base, key, _ in RATIOS:
@@ -232,6 +247,13 @@ def _gathered(e: dict[str, Any]) -> str:
     return f"{_bytes(peak.get('forward'))} / {_bytes(peak.get('backward'))} ({tag})"
 
 
+def _overlap(e: dict[str, Any]) -> str:
+    if e.get("collective_ms") is None:
+        return "n/a"
+    hidden = e.get("hidden_fraction")
+    return f"{e['collective_ms']:.1f} ({'-' if hidden is None else f'{100 * hidden:.0f}%'})"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The rank-0 report: a tabulate table, then the failures and the notes. The "x ideal" column
     shows only when torch-compile-fused ran, the gathered-parameter peak only with ZeRO-3."""
@@ -246,7 +268,7 @@ def format_table(result: dict[str, Any]) -> str:
     device = any((e.get("peak_device_mib") is not None) for e in ents.values() if e["status"] == "ok")
     headers = ["runner", "status", "step ms med [min, max]", *(h for _, h in ratios), "fwd / bwd / opt ms",
                "compile s", "grad", "optim", *(["gathered peak fwd / bwd"] if zero3 else []),
-               "peak RSS MiB", "+step MiB", *(["peak device MiB"] if device else []), "colls/step", "reduced/step (reductions)", "safety net",
+               "peak RSS MiB", "+step MiB", *(["peak device MiB"] if device else []), "colls/step", "reduced/step (reductions)", "coll ms (hidden %)", "safety net",
                "graphs/breaks (timed)",
                f"max abs dparam vs {ref or 'n/a'}"]
     rows, failures = [], []
@@ -270,6 +292,7 @@ def format_table(result: dict[str, Any]) -> str:
                      _num(e["peak_rss_mib"], ".0f"), _num(e["step_rss_growth_mib"], ".1f"),
                      *([_num(e.get("peak_device_mib"), ".0f")] if device else []),
                      e["collectives_per_step"], f"{_bytes(e['bytes_reduced_per_step'])} ({e['reductions_per_step']})",
+                     _overlap(e),
                      "-" if e["eager_safety_net_per_step"] is None else e["eager_safety_net_per_step"], gb, diff_s])
     params = f", parameters {_bytes(w['param_bytes'])} in full" if w.get("param_bytes") else ""
     title = (f"graphzero-compare: {w['model']} ({w['description']}), ZeRO-{w['stage']}, {w['dtype']}, "

@@ -34,6 +34,7 @@ from .bench_metrics import (
     summarize_collectives,
 )
 from .bench_models import batch_generator, bf16_round_, build_workload, size_from_args
+from .bench_overlap import plot_timelines, step_overlap
 from .bench_report import DEFAULT_TOL, build_result, format_table, write_json, write_plot
 from .bench_runners import RUNNERS, Hyper, RunContext, Runner, RunnerSkipped
 
@@ -66,6 +67,7 @@ class _Tracker:
         self.rss_growth = 0
         self.peak_device: int | None = None
         self.collectives: dict[str, Any] | None = None
+        self.overlap: dict[str, Any] | None = None  # collective time hidden under compute (bench_overlap)
         self.gathered_peak: dict[str, int] | None = None  # bytes per phase (ZeRO-3, FSDP2)
         self.gathered_source: str | None = None  # "measured" or "compiled schedule"
         self.safety_net: int | None = None  # graphzero: eager safety-net calls in the measurement step
@@ -128,6 +130,9 @@ def worker(args: argparse.Namespace) -> None:
     _TRACEBACKS = args.verbose
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads)
+    # inductor's C++ kernels as profiler ranges: the compute that collectives overlap with (bench_overlap)
+    import torch._inductor.config as inductor_config
+    inductor_config.cpp.enable_kernel_profile = True
     if args.malloc == "retain" and not retain_freed_memory():
         log.warning("--malloc retain: glibc's mallopt refused; running with the default allocator policy")
 
@@ -254,6 +259,8 @@ def _run(args, rank, world, device, backend, threads, ctrl: ControlGroup) -> Non
             print(format_table(result), flush=True)
             if args.plot:
                 write_plot(result, args.plot)
+            if args.timeline and not plot_timelines(result, args.timeline):
+                log.warning("--timeline: no timeline drawn (matplotlib missing, or no runner has one)")
         except Exception as e:  # noqa: BLE001  (keep the other ranks from waiting on a dead peer)
             traceback.print_exc()
             report_error = e
@@ -353,6 +360,8 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
             tr.peak_device = max(tr.peak_device or 0, torch.cuda.max_memory_allocated(device))
     elif phase == "measure":
         tr.collectives = summarize_collectives(prof.events(), world)
+        if device.type == "cpu":   # NCCL's time is on the device, which these host events do not time
+            tr.overlap = _metric(lambda: step_overlap(prof.events()), "collective overlap", runner.name)
         tr.grad_bytes = extra.get("grad_bytes")
         tr.optim_bytes = _metric(lambda: memory_bytes(runner)[1], "optimizer bytes", runner.name)
         if eager0 is not None:

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "again; 'retain' makes glibc keep them for reuse, as jemalloc/tcmalloc do")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="bar chart of step time and memory (matplotlib)")
+    p.add_argument("--timeline", metavar="PATH.png",
+                   help="each runner's profiled step, compute and collectives per rank, side by side (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="DeepSpeed's INFO logs and tracebacks")
     return p

@@ -13,8 +13,10 @@ parameters waits first:
 - ``parameters()`` / ``named_parameters()`` of the engine and its module, through a bound
   ``named_parameters`` on those two instances (Dynamo reads ``named_parameters.__func__``).
 
-Not covered: a parameter tensor obtained before ``step()`` and read outside a module call before
-the next forward: call ``graphzero.wait_params(engine)`` first, or set ``defer_param_gather=False``.
+Not covered, which is why the option stays off by default: a parameter read directly as a tensor
+before the next forward, reached by attribute (``module.fc.weight`` goes through the class's
+``nn.Module.__getattr__``, which cannot be hooked per instance) or kept from before ``step()``
+(tests/test_deferred_gather.py). Call ``graphzero.wait_params(engine)`` first.
 """
 from __future__ import annotations
 
