@@ -94,8 +94,8 @@ def step_overlap(events: Iterable[Any], max_intervals: int = 4000) -> dict[str, 
 
 
 def plot_timelines(result: dict[str, Any], path: str, runners: list[str] | None = None) -> bool:
-    """One panel per runner, side by side: each rank's compute and collective lanes over the
-    measured step. False (with nothing written) when matplotlib or every timeline is missing."""
+    """One panel per runner, two to a row in ``--runners`` order: each rank's compute and collective
+    lanes over the measured step. False (with nothing written) when matplotlib or every timeline is missing."""
     try:
         import matplotlib
 
@@ -107,8 +107,12 @@ def plot_timelines(result: dict[str, Any], path: str, runners: list[str] | None 
              if (result["runners"].get(n) or {}).get("overlap_per_rank")]
     if not names:
         return False
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 2.6), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    cols = min(2, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 2.4 * rows + 0.4), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
         per_rank = result["runners"][name]["overlap_per_rank"]
         labels = []
         for rank, ov in enumerate(per_rank):
