@@ -430,3 +430,17 @@ def test_client_workloads_and_offload_runners(tmp_path):
             assert entry["status"] == "ok", (model, name, entry.get("error"))
             assert entry["params_match"] or name == "ddp", (model, name, entry["max_abs_param_diff"])
     assert "ds-offload" not in compare.parse_args([]).runners   # opt-in
+
+
+def test_ideal_runner_at_two_ranks(tmp_path):
+    """torch-compile-fused on 2 ranks (gas 2): one flat all-reduce per optimizer step, DDP's
+    parameters, and the "x ideal" ratios."""
+    proc = _compare(tmp_path, "--model", "mlp", "--stage", "2", "--gas", "2", "--steps", "2",
+                    "--runners", "ddp,torch-compile-fused", "--json", "ideal.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "ideal.json").read_text())
+    ideal = result["runners"]["torch-compile-fused"]
+    assert ideal["status"] == "ok", ideal["error"]
+    assert ideal["params_match"], ideal["max_abs_param_diff"]
+    assert ideal["collectives_per_step"] == 1 and ideal["reductions_per_step"] == 1
+    assert ideal["ratio_vs_torch_compile_fused"] == 1.0 and result["runners"]["ddp"]["ratio_vs_torch_compile_fused"]
