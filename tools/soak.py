@@ -1,11 +1,14 @@
-"""``graphzero-soak``: a long GAN run under graphzero that watches memory and recompiles.
+"""``graphzero-soak``: a long GAN or PPO run under graphzero that watches memory and recompiles.
 
     graphzero-soak --steps 2000 --json soak.json        # 2 gloo ranks, GAN workload, ZeRO-2
     graphzero-soak --steps 5000 --stage 3 --recompile-every 500
+    graphzero-soak --workload rlhf --steps 2000 --stage 3
     torchrun --nproc-per-node 2 -m graphzero_tools.soak --steps 500 --stage 1
 
-Each rank trains the ``gan`` workload (the discriminator is called twice in one loss) with both
-engines owned by graphzero, samples its resident memory every ``--sample-every`` steps and reads
+Each rank trains the ``gan`` workload (the discriminator is called twice in one loss), or with
+``--workload rlhf`` graphzero-compare's PPO loss (a GPT-2 actor and critic trained, the reference
+and reward models frozen ZeRO-3 engines called inside the step), with every engine owned by
+graphzero, samples its resident memory every ``--sample-every`` steps and reads
 Dynamo's counters (graphs compiled, graph breaks, recompiles). With ``--recompile-every N`` the
 step is compiled anew every N steps (``torch._dynamo.reset()``, as a notebook or a long job that
 changes shapes would), so a leak per compile shows. After the warm-up (``--warmup`` steps) a
@@ -47,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed's own optimizer step (option lean_step=False): graphzero's fused update out")
     p.add_argument("--collective", choices=("auto", "reduce_scatter", "all_to_all", "all_reduce"), default="auto",
                    help="graphzero's option of that name (how a gradient bucket is reduced)")
-    p.add_argument("--width", type=int, default=64, help="hidden width of both models")
+    p.add_argument("--workload", choices=("gan", "rlhf"), default="gan",
+                   help="gan: two trained engines, the discriminator called twice per loss; rlhf: the PPO "
+                        "loss, actor and critic trained, reference and reward frozen ZeRO-3 engines inside the step")
+    p.add_argument("--width", type=int, default=64, help="hidden width of the models")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under a launcher)")
     p.add_argument("--max-growth-mib", type=float, default=16.0,
                    help="fail when RSS grows more than this after warm-up (default 16 MiB)")
@@ -55,10 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ds_config(stage: int, batch: int) -> dict:
+def _ds_config(stage: int, batch: int, frozen: bool = False) -> dict:
     zero = {"stage": stage}
-    if stage == 3:
+    if stage == 3 or frozen:
         zero["stage3_param_persistence_threshold"] = 0   # every parameter partitioned and gathered
+    if frozen:   # no optimizer: a ZeRO-3 inference engine (examples/rlhf_ppo.py's reference and reward)
+        return {"train_micro_batch_size_per_gpu": batch, "zero_optimization": {**zero, "stage": 3},
+                "timers": {"throughput": {"enabled": False}}, "steps_per_print": 10**9}
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
             "zero_optimization": zero, "gradient_clipping": 1.0,
@@ -84,12 +93,13 @@ def run_rank(args: argparse.Namespace) -> dict | None:
 
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank = dist.get_rank()
-    size = resolve_size("gan", tiny=True, width=args.width)
-    work = build_workload("gan", size, seed=0)
+    size = resolve_size(args.workload, tiny=True, width=args.width)
+    work = build_workload(args.workload, size, seed=0)
     reference = copy.deepcopy(work.parts)   # before ZeRO-3 partitions the parts
-    engines = {name: deepspeed.initialize(model=part, config=_ds_config(args.stage, size.batch),
+    engines = {name: deepspeed.initialize(model=part, config=_ds_config(args.stage, size.batch, name in work.frozen),
                                           model_parameters=part.parameters())[0]
                for name, part in work.parts.items()}
+    trained = [engines[name] for name in work.trained]
     step = torch.compile(work.loss, backend="graphzero", options={"engines": engines, "inner": args.inner,
                                                                    "collective": args.collective,
                                                                    "lean_step": not args.deepspeed_step,
@@ -100,7 +110,7 @@ def run_rank(args: argparse.Namespace) -> dict | None:
         if args.recompile_every and t > 1 and (t - 1) % args.recompile_every == 0:
             torch._dynamo.reset()
         step(engines, *work.make_batch(gen)).backward()
-        for eng in engines.values():
+        for eng in trained:
             eng.step()
         if t % args.sample_every == 0 or t == args.steps:
             sample = {"step": t, "rss_mib": rss_bytes() / 2**20, "seconds": time.perf_counter() - start,
@@ -129,12 +139,14 @@ def _gradients_exact(step, work, engines: dict, reference: dict) -> str | None:
         with deepspeed.zero.GatheredParameters(params, enabled=eng.zero_optimization_stage() == 3), torch.no_grad():
             for p, q in zip(params, reference[name].parameters()):
                 q.copy_(p)
-        eng.zero_grad()
+        if name in work.trained:
+            eng.zero_grad()
     batches = [work.make_batch(torch.Generator().manual_seed(10**6 + r)) for r in range(world)]
     step(engines, *batches[rank]).backward()
     for batch in batches:
         (work.loss(reference, *batch) / world).backward()
-    for name, eng in engines.items():
+    for name in work.trained:
+        eng = engines[name]
         for (pname, p), q in zip(eng.module.named_parameters(), reference[name].parameters()):
             got, want = safe_get_full_grad(p).float(), q.grad.float()
             # relative to the tensor's scale: a long GAN run's gradients reach 1e2, where fp32
@@ -160,6 +172,7 @@ def _verdict(args: argparse.Namespace, per_rank: list[tuple[list[dict], str | No
     ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["graphs"] == 1 + forced
              and r["recompiles"] == 0 and r["gradients"] == "exact" for r in ranks)
     return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
+            "workload": args.workload,
             "width": args.width, "recompile_every": args.recompile_every, "max_growth_mib": args.max_growth_mib,
             "ok": ok, "ranks": ranks}
 
