@@ -418,7 +418,7 @@ def test_client_workloads_and_offload_runners(tmp_path):
     every runner) and the opt-in offload runners (ZeRO-3 mlp, tiny): each ok, with its parameters
     within tolerance of DDP's."""
     checks = (("diffusers", "2", "graphzero-eager,ddp"),
-              ("rlhf", "3", "graphzero-eager,ds-plain-backward,fsdp2,ddp"),
+              ("rlhf", "3", "graphzero-eager,ds-plain-backward,fsdp2,fsdp2-compiled,ddp"),
               ("mlp", "3", "graphzero-offload,ds-offload,ddp"))
     for model, stage, runners in checks:
         proc = _compare(tmp_path, "--model", model, "--tiny", "--stage", stage, "--steps", "1", "--warmup", "1",
@@ -430,6 +430,7 @@ def test_client_workloads_and_offload_runners(tmp_path):
             assert entry["status"] == "ok", (model, name, entry.get("error"))
             assert entry["params_match"] or name == "ddp", (model, name, entry["max_abs_param_diff"])
     assert "ds-offload" not in compare.parse_args([]).runners   # opt-in
+    assert "fsdp2-compiled" not in compare.parse_args([]).runners
 
 
 def test_ideal_runner_at_two_ranks(tmp_path):

@@ -17,14 +17,14 @@ from .bench_runners_deepspeed import (
     GraphZeroReduceScatterRunner,
     GraphZeroRunner,
 )
-from .bench_runners_torch import DDPRunner, FSDP2Runner, TorchCompileFusedRunner
+from .bench_runners_torch import DDPRunner, FSDP2CompiledRunner, FSDP2Runner, TorchCompileFusedRunner
 
 __all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedOffload",
-           "DeepSpeedPlainBackward", "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner",
+           "DeepSpeedPlainBackward", "FSDP2CompiledRunner", "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner",
            "GraphZeroEagerRunner", "GraphZeroOffloadRunner", "GraphZeroReduceScatterRunner", "GraphZeroRunner", "Hyper",
            "RunContext", "Runner", "RunnerSkipped", "TorchCompileFusedRunner"]
 
 RUNNERS: dict[str, type[Runner]] = {cls.name: cls for cls in (
     GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroReduceScatterRunner,
     GraphZeroEagerRunner, GraphZeroOffloadRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward, DeepSpeedOffload,
-    DDPRunner, FSDP2Runner, TorchCompileFusedRunner, DeepCompileRunner)}
+    DDPRunner, FSDP2Runner, FSDP2CompiledRunner, TorchCompileFusedRunner, DeepCompileRunner)}
