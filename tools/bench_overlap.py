@@ -93,7 +93,7 @@ def step_overlap(events: Iterable[Any], max_intervals: int = 4000) -> dict[str, 
             "timeline": {"compute": rel(compute), "collectives": rel(collective)}}
 
 
-def plot_timelines(result: dict[str, Any], path: str, runners: list[str] | None = None) -> bool:
+def plot_timelines(result: dict[str, Any], path: str) -> bool:
     """One panel per runner, two to a row in ``--runners`` order: each rank's compute and collective
     lanes over the measured step. False (with nothing written) when matplotlib or every timeline is missing."""
     try:
@@ -103,8 +103,7 @@ def plot_timelines(result: dict[str, Any], path: str, runners: list[str] | None 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [n for n in (runners or result["runners"])
-             if (result["runners"].get(n) or {}).get("overlap_per_rank")]
+    names = [n for n, e in result["runners"].items() if e.get("overlap_per_rank")]
     if not names:
         return False
     cols = min(2, len(names))

@@ -173,8 +173,8 @@ class FSDP2Runner(_TorchRunner):
 
 class FSDP2CompiledRunner(FSDP2Runner):
     """FSDP2 as ``fsdp2``, each unit's forward compiled with ``torch.compile`` before it is sharded
-    (torchtitan's per-block pattern; the units of :func:`shard_units`, or each child of a part at
-    ZeRO-1/2); FSDP2's hooks and collectives stay outside the compiled blocks."""
+    (torchtitan's per-block pattern): the units of :func:`shard_units` at every stage, or each child
+    of a part that has none; FSDP2's hooks and collectives stay outside the compiled blocks."""
 
     name = "fsdp2-compiled"
     compiled = True

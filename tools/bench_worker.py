@@ -359,9 +359,10 @@ def _one_step(runner: Runner, tr: _Tracker, micro, phase: str, rnd: int, device,
         if device.type == "cuda":
             tr.peak_device = max(tr.peak_device or 0, torch.cuda.max_memory_allocated(device))
     elif phase == "measure":
-        tr.collectives = summarize_collectives(prof.events(), world)
+        events = prof.events()
+        tr.collectives = summarize_collectives(events, world)
         if device.type == "cpu":   # NCCL's time is on the device, which these host events do not time
-            tr.overlap = _metric(lambda: step_overlap(prof.events()), "collective overlap", runner.name)
+            tr.overlap = _metric(lambda: step_overlap(events), "collective overlap", runner.name)
         tr.grad_bytes = extra.get("grad_bytes")
         tr.optim_bytes = _metric(lambda: memory_bytes(runner)[1], "optimizer bytes", runner.name)
         if eager0 is not None:

@@ -62,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _ds_config(stage: int, batch: int, frozen: bool = False) -> dict:
-    zero = {"stage": stage}
-    if stage == 3 or frozen:
+    # frozen: no optimizer, a ZeRO-3 inference engine (examples/rlhf_ppo.py's reference and reward)
+    zero = {"stage": 3 if frozen else stage}
+    if zero["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = 0   # every parameter partitioned and gathered
-    if frozen:   # no optimizer: a ZeRO-3 inference engine (examples/rlhf_ppo.py's reference and reward)
-        return {"train_micro_batch_size_per_gpu": batch, "zero_optimization": {**zero, "stage": 3},
+    if frozen:
+        return {"train_micro_batch_size_per_gpu": batch, "zero_optimization": zero,
                 "timers": {"throughput": {"enabled": False}}, "steps_per_print": 10**9}
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
