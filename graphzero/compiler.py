@@ -16,16 +16,16 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import deepspeed_adapter, early_attach, rank_agreement
+from . import deepspeed_adapter, early_attach
 from .dump import GraphDump
-from .errors import AttachTooLateError, UnsupportedConfigError
+from .errors import AttachTooLateError, GraphZeroError, UnsupportedConfigError
 from .inductor_config import inductor_patch, register_lowerings
 from .inductor_guards import backward_patches as inductor_guard_patches
 from .inductor_guards import device_type_of
 from .options import Options
 from .ownership import Ownership, ParamSet
 from .passes import FORWARD_PIPELINE, JOINT_PIPELINE, Mode, PassContext, backward_pipeline, run_pipeline
-from .runtime import Backward, CountForwards, EngineState, GraphBackward, Modes, label
+from .runtime import Backward, CountForwards, EngineState, ForwardWithAgreement, GraphBackward, Modes, label
 
 log = logging.getLogger("graphzero")
 
@@ -110,6 +110,11 @@ class BackwardTransform:
         self.forward_ctx: PassContext | None = None
 
     def _context(self, example_inputs: Sequence[Any], modes: Modes | None = None) -> PassContext:
+        strangers = [ps.name for ps in modes or {} if not any(ps is q for q in self.ownership.param_sets)]
+        if strangers:
+            # the passes match engines by identity: a variant keyed otherwise would silently reduce
+            raise GraphZeroError(f"internal error: graph {self.graph_id}'s variant names engine layouts {strangers} "
+                                 "that its ownership does not hold; please report it")
         fake_mode = detect_fake_mode(example_inputs)
         if fake_mode is None:
             fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
@@ -146,7 +151,7 @@ class BackwardTransform:
         groups = list({ps.group_name: ps.process_group for ps in self.ownership.param_sets
                        if any(p[2] == ps.group_name for p in plan)}.items())
         what = f"graph {self.graph_id} forward (engines {sorted({p[1] for p in plan})})"
-        return rank_agreement.ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
+        return ForwardWithAgreement(compiled, plan, groups, what, self.opts.fault_timeout_s)
 
     def positions(self) -> dict[ParamSet, tuple[tuple[int, int], ...]]:
         """Per engine, the (group, position) of each of its parameters this graph reaches."""
@@ -183,7 +188,8 @@ class BackwardTransform:
         pristine = copy.deepcopy(gm)
         deferred = any(state.defers_reduction() for state in positions)
         compiled = {} if deferred else {(Mode.REDUCE,) * len(positions): compile_variant(gm)}
-        return Backward(positions, lambda modes: compile_variant(copy.deepcopy(pristine), modes,
+        layouts = {self.states[ps]: ps for ps in self.positions()}
+        return Backward(positions, layouts, lambda modes: compile_variant(copy.deepcopy(pristine), modes,
                                                                  self.dump.variant(label(modes))), compiled)
 
     def runtime_example_inputs(self, gm: fx.GraphModule, ctx: PassContext) -> list[Any]:

@@ -100,7 +100,9 @@ class Reference:
             (loss_fn(self.models, *inputs) / (world * gas)).backward()
 
     def grads(self, name: str) -> list[torch.Tensor]:
-        return [p.grad.clone() for p in self.models[name].parameters() if p.requires_grad]
+        """Zeros for a parameter no loss reached (DeepSpeed's flat gradient holds zeros there)."""
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for p in self.models[name].parameters() if p.requires_grad]
 
     def step(self) -> None:
         for k, m in self.models.items():

@@ -1,14 +1,18 @@
 """A randomized config matrix (hypothesis) against a single-process PyTorch reference.
 
 Each case draws: 1-4 engines, each with its own ZeRO stage (1, 2 or 3; at ZeRO-3 a persistence
-threshold and a prefetch bucket size), gradient accumulation (1-4, each engine stepping at its own
-boundary), clipping (0, 0.5, 1.0), reduce bucket size (down to smaller than one parameter), module
-kind (plain MLP, tied weights, activation checkpointing, a frozen layer), call (``engine(x)`` or
-``engine.module(x)``) and whether a masking tensor hook sits on its first weight; and for the case: dtype (fp32, bf16 with
-fp32 accumulation), call pattern (chain, side by side, an engine called twice, a conditional
-branch, an engine unused in some steps), a frozen and/or an unowned module in the data path,
-inner ``eager``/``inductor``, world size 2 or 3 (uneven partitions; a second rank pool, started
-only when drawn). Every engine takes >= 3 optimizer steps; at each boundary its gradients
+threshold and a prefetch bucket size, 0 included: no prefetch), gradient accumulation (1-4, each
+engine stepping at its own boundary), clipping (0, 0.5, 1.0), reduce bucket size (down to smaller
+than one parameter), module kind (plain MLP, tied weights, activation checkpointing, a frozen layer,
+and at ZeRO-1/2 a task head per rank), call (``engine(x)`` or ``engine.module(x)``), whether a
+masking tensor hook sits on its first weight, whether its last layer's ``requires_grad`` is switched
+off in some micro-steps, whether one parameter is in no optimizer group (it gets a local ``.grad``,
+as under DeepSpeed eager), whether ``engine.allreduce_gradients()`` is called after each boundary
+backward (as ``engine.backward`` does); and for the case: dtype (fp32, bf16 with fp32 accumulation),
+call pattern (chain, side by side, an engine called twice, a conditional branch, an engine unused in
+some steps, and at ZeRO-1/2 a graph break on some ranks only), a frozen module (plain, or a frozen
+ZeRO-3 engine) and/or an unowned module in the data path, inner ``eager``/``inductor``, world size 2
+or 3 (uneven partitions; a second rank pool, started only when drawn). Every engine takes >= 3 optimizer steps; at each boundary its gradients
 (``safe_get_full_grad``), its grad norm (``get_global_grad_norm``, also without clipping) and
 afterwards its parameters are compared with the reference; the unowned module's ``.grad`` with its
 local (per-rank, unreduced) gradient. An engine whose accumulation window got no gradient must
@@ -53,8 +57,6 @@ from scenario_utils import (
     assert_rel_l2_close,
     data,
     ds_config,
-    engine,
-    full_grads,
     full_params,
     mlp,
     rank_world,
@@ -67,9 +69,10 @@ STAGES = (1, 2, 3)
 # ZeRO-3: stage3_param_persistence_threshold (0: every parameter partitioned; 100: the biases and
 # small weights stay gathered) and stage3_prefetch_bucket_size (None: DeepSpeed's default)
 THRESHOLDS = (0, 100)
-PREFETCHES = (None, 50)
-PATTERNS = ("chain", "side", "twice", "cond", "unused")
-KINDS = ("plain", "tied", "ckpt", "frozen_part")
+PREFETCHES = (None, 50, 0)
+PATTERNS = ("chain", "side", "twice", "cond", "unused", "break_on_some_ranks")
+KINDS = ("plain", "tied", "ckpt", "frozen_part", "heads")
+RANK_DEPENDENT_STAGES = (1, 2)   # ZeRO-3 gathers per rank cannot differ (tests/test_rank_dependent.py)
 BUCKETS = (None, 5, 37, 200)  # 5: smaller than any parameter (biases have 8 elements)
 WIDTH = 8
 STEPS = 3  # optimizer steps per engine, at least
@@ -95,11 +98,18 @@ class EngineCase:
     hooked: bool = False
     threshold: int = 0             # ZeRO-3 only
     prefetch: int | None = None    # ZeRO-3 only
+    # the last layer's requires_grad switched off in micro-steps i % 3 == 1
+    switching: bool = False
+    # the first trainable bias in no optimizer group
+    no_group: bool = False
+    # engine.allreduce_gradients() after each boundary backward
+    allreduce: bool = False
 
     def short(self) -> str:
         z3 = f"/t{self.threshold}/p{'-' if self.prefetch is None else self.prefetch}" * (self.stage == 3)
         return (f"z{self.stage}{z3}/gas{self.gas}/clip{self.clip:g}/b{self.bucket or '-'}/{self.kind}{self.hidden}/"
-                f"{'mod' if self.via_module else 'eng'}{'/hook' * self.hooked}")
+                f"{'mod' if self.via_module else 'eng'}{'/hook' * self.hooked}{'/switch' * self.switching}"
+                f"{'/nogroup' * self.no_group}{'/allreduce' * self.allreduce}")
 
     def config(self, dtype: str) -> dict:
         cfg = ds_config(self.stage, gas=self.gas, dtype=dtype, clip=self.clip, bucket=self.bucket)
@@ -119,9 +129,10 @@ class Case:
     frozen: bool
     unowned: bool
     engines: tuple[EngineCase, ...]
+    frozen_engine: bool = False   # the frozen module as a frozen ZeRO-3 DeepSpeed engine
 
     def short(self) -> str:
-        extras = "+frozen" * self.frozen + "+unowned" * self.unowned
+        extras = ("+frozen-z3-engine" if self.frozen_engine else "+frozen") * self.frozen + "+unowned" * self.unowned
         return (f"ws{self.world} {self.dtype} {self.inner} {self.pattern}{extras} "
                 f"[{' '.join(e.short() for e in self.engines)}]")
 
@@ -153,11 +164,25 @@ class Checkpointed(nn.Module):
         return self.out(torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False))
 
 
+class Heads(nn.Module):
+    """A trunk and two task heads; rank r trains head r % 2 (DDP's find_unused_parameters case)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(WIDTH, hidden)
+        self.heads = nn.ModuleList(nn.Linear(hidden, WIDTH) for _ in range(2))
+
+    def forward(self, x, task: int):
+        return self.heads[task](torch.nn.functional.gelu(self.trunk(x)))
+
+
 def build_model(ec: EngineCase) -> nn.Module:
     if ec.kind == "tied":
         return Tied(ec.hidden)
     if ec.kind == "ckpt":
         return Checkpointed(ec.hidden)
+    if ec.kind == "heads":
+        return Heads(ec.hidden)
     m = mlp(WIDTH, ec.hidden, WIDTH)
     if ec.kind == "frozen_part":
         m[0].requires_grad_(False)
@@ -166,6 +191,22 @@ def build_model(ec: EngineCase) -> nn.Module:
 
 def trainable(m: nn.Module) -> list[nn.Parameter]:
     return [p for p in m.parameters() if p.requires_grad]
+
+
+def switched(m: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose requires_grad a switching engine turns off: its last layer's."""
+    return list([x for x in m.modules() if isinstance(x, nn.Linear)][-1].parameters())
+
+
+def no_group_param(m: nn.Module) -> nn.Parameter:
+    """The parameter a no_group engine leaves out of its optimizer: the first trainable bias."""
+    return next(x.bias for x in m.modules() if isinstance(x, nn.Linear) and x.bias.requires_grad)
+
+
+def owned(m: nn.Module, ec: EngineCase) -> list[nn.Parameter]:
+    """The parameters in the engine's optimizer (all trainable ones at the start of the run)."""
+    left_out = no_group_param(m) if ec.no_group else None
+    return [p for p in m.parameters() if p.requires_grad and p is not left_out]
 
 
 def hook_first_weight(m: nn.Module) -> None:
@@ -193,11 +234,17 @@ def used_engines(case: Case, flag: bool) -> list[bool]:
 
 def make_loss(case: Case, via_module: tuple[bool, ...]):
     """The step: ``mods`` are engines (graphzero) or plain models (reference); ``extra`` the frozen
-    and unowned modules. ``via_module[k]`` calls ``mods[k].module(h)`` instead of ``mods[k](h)``."""
+    and unowned modules. ``via_module[k]`` calls ``mods[k].module(h)`` instead of ``mods[k](h)``.
+    ``rank``: heads engines train head rank % 2; break_on_some_ranks breaks the graph on odd ranks."""
     n = len(case.engines)
+    heads = [ec.kind == "heads" for ec in case.engines]
 
-    def run(mods, k, h):
-        return mods[k].module(h) if via_module[k] else mods[k](h)
+    def run(mods, k, h, rank):
+        args = (h, rank % 2) if heads[k] else (h,)
+        out = mods[k].module(*args) if via_module[k] else mods[k](*args)
+        if case.pattern == "break_on_some_ranks" and rank % 2 == 1 and k == 0:
+            torch._dynamo.graph_break()
+        return out
 
     def glue(extra, h):
         if case.frozen:
@@ -206,10 +253,10 @@ def make_loss(case: Case, via_module: tuple[bool, ...]):
             h = extra["unowned"](h)
         return h
 
-    def chain(mods, extra, x, order):
+    def chain(mods, extra, x, order, rank):
         h = x
         for j, k in enumerate(order):
-            h = run(mods, k, h)
+            h = run(mods, k, h, rank)
             if j == 0:
                 h = glue(extra, h)
         return h
@@ -217,21 +264,43 @@ def make_loss(case: Case, via_module: tuple[bool, ...]):
     def f(h):
         return h.float().square().mean()
 
-    def loss(mods, extra, x, flag: bool):
+    def loss(mods, extra, x, flag: bool, rank: int):
         if case.pattern == "side":
-            return sum(f(run(mods, k, glue(extra, x) if k == 0 else x)) / (k + 1) for k in range(n))
+            return sum(f(run(mods, k, glue(extra, x) if k == 0 else x, rank)) / (k + 1) for k in range(n))
         if case.pattern == "twice":
-            h = chain(mods, extra, x, range(n))
-            return f(h) + f(run(mods, 0, torch.tanh(h)))
+            h = chain(mods, extra, x, range(n), rank)
+            return f(h) + f(run(mods, 0, torch.tanh(h), rank))
         if case.pattern == "cond":
             if n == 1:
-                return f(chain(mods, extra, x if flag else 0.5 * x, [0]))
-            return f(chain(mods, extra, x, range(n) if flag else range(n - 1, -1, -1)))
+                return f(chain(mods, extra, x if flag else 0.5 * x, [0], rank))
+            return f(chain(mods, extra, x, range(n) if flag else range(n - 1, -1, -1), rank))
         if case.pattern == "unused":
-            return f(chain(mods, extra, x, range(n) if flag else range(n - 1)))
-        return f(chain(mods, extra, x, range(n)))
+            return f(chain(mods, extra, x, range(n) if flag else range(n - 1), rank))
+        return f(chain(mods, extra, x, range(n), rank))
 
     return loss
+
+
+def build_engine(model: nn.Module, ec: EngineCase, dtype: str):
+    import deepspeed
+    eng, *_ = deepspeed.initialize(model=model, config=ec.config(dtype), model_parameters=owned(model, ec))
+    return eng
+
+
+def frozen_engine(model: nn.Module, dtype: str):
+    """A frozen ZeRO-3 engine (no optimizer, every parameter partitioned), as a teacher is."""
+    import deepspeed
+    cfg = ds_config(3, dtype=dtype)
+    del cfg["optimizer"], cfg["gradient_clipping"]
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    eng, *_ = deepspeed.initialize(model=model, config=cfg)
+    return eng
+
+
+def owned_full_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """``safe_get_full_grad`` of the parameters in an engine's optimizer (collective)."""
+    from deepspeed.utils import safe_get_full_grad
+    return [safe_get_full_grad(p).float().clone() for p in params]
 
 
 # -- the scenario, on every rank --------------------------------------------------------------------
@@ -271,25 +340,32 @@ def _run_case(case: Case) -> dict:
     # The reference: fp32 copies of the (bf16-rounded) weights, torch AdamW, per-engine clipping.
     ref_models = [copy.deepcopy(m).float() for m in models]
     ref_extra = {"frozen": copy.deepcopy(frozen).float(), "unowned": copy.deepcopy(unowned).float()}
-    ref_opts = [torch.optim.AdamW(trainable(m), lr=LR, weight_decay=0.0) for m in ref_models]
+    ref_params = [owned(m, ec) for m, ec in zip(ref_models, case.engines)]
+    ref_opts = [torch.optim.AdamW(ps, lr=LR, weight_decay=0.0) for ps in ref_params]
     # Gradients: bf16 cases compute them on bf16 copies (fp32 accumulation over ranks and
     # micro-steps), as each rank does; the fp32 copies above keep the fp32 optimizer step.
     grad_models = [copy.deepcopy(m) for m in models] if bf16 else ref_models
     grad_extra = {"frozen": copy.deepcopy(frozen), "unowned": copy.deepcopy(unowned)} if bf16 else ref_extra
-    engines = [engine(m, ec.config(case.dtype)) for m, ec in zip(models, case.engines)]
+    engines = [build_engine(m, ec, case.dtype) for m, ec in zip(models, case.engines)]
     for k, ec in enumerate(case.engines):
         if ec.hooked:
             hook_first_weight(grad_models[k])
+    attached = {f"e{k}": e for k, e in enumerate(engines)}
     extra = {"frozen": frozen, "unowned": unowned}
+    if case.frozen and case.frozen_engine:
+        extra["frozen"] = attached["frozen"] = frozen_engine(frozen, case.dtype)
     t_init = time.perf_counter() - t0
     step = torch.compile(make_loss(case, tuple(ec.via_module for ec in case.engines)), backend="graphzero",
-                         options={"engines": {f"e{k}": e for k, e in enumerate(engines)}, "inner": case.inner})
+                         options={"engines": attached, "inner": case.inner})
     for eng, ec in zip(engines, case.engines):
         if ec.hooked:   # as users do: after deepspeed.initialize, before the first step
             hook_first_weight(eng.module)
     ref_loss = make_loss(case, (False,) * n)
-    ref_params = [trainable(m) for m in ref_models]
-    flat_grad_params = [p for m in grad_models for p in trainable(m)]
+    grad_params = [owned(m, ec) for m, ec in zip(grad_models, case.engines)]
+    # per micro-step, rank and engine: the local gradients of the parameters in no optimizer group
+    left_out = [[no_group_param(m)] if ec.no_group else [] for m, ec in zip(grad_models, case.engines)]
+    left_out_eng = [[no_group_param(e.module)] if ec.no_group else [] for e, ec in zip(engines, case.engines)]
+    engine_owned = [owned(e.module, ec) for e, ec in zip(engines, case.engines)]
     unowned_ref = list(grad_extra["unowned"].parameters())
     acc = [[torch.zeros_like(p) for p in ps] for ps in ref_params]
 
@@ -305,30 +381,57 @@ def _run_case(case: Case) -> dict:
         used = used_engines(case, flag)
         (x,) = data(i, rank, (4, WIDTH), dtype=dt)
         unowned.zero_grad(set_to_none=True)
-        step(engines, extra, x, flag).backward()
-        _checked("grad", assert_no_full_grads, *engines)
-        assert frozen.weight.grad is None, "frozen module got a gradient"
+        for k, ec in enumerate(case.engines):
+            for p in left_out_eng[k]:
+                p.grad = None
+            if ec.switching:   # on the engine's module and the reference's, before the step as users do
+                # ZeRO-3 only off its boundary: there DeepSpeed eager steps a parameter frozen at the
+                # boundary with zeros, the window's gradient dropped (graphzero too; parity-tested in
+                # test_deepspeed_parity_zero.py), which the plain reference does not model
+                off = i % 3 == 1 and not (ec.stage == 3 and (micro_steps[k] + 1) % ec.gas == 0)
+                for m in (engines[k].module, grad_models[k]):
+                    for p in switched(m):
+                        p.requires_grad_(not off)
+        step(engines, extra, x, flag, rank).backward()
+        for k, (eng, ec) in enumerate(zip(engines, case.engines)):
+            if ec.allreduce and (micro_steps[k] + 1) % ec.gas == 0:
+                eng.allreduce_gradients()   # as engine.backward does at the boundary
+        _checked("grad", assert_no_full_grads, *[e for e, ec in zip(engines, case.engines) if not ec.no_group])
+        assert all(p.grad is None for p in frozen.parameters()), "frozen module got a gradient"
         # Reference: d(mean over ranks of loss)/d(params), each engine's share scaled by its own 1/gas.
         for r in range(world):
             (xr,) = data(i, r, (4, WIDTH), dtype=dt)
-            loss_r = ref_loss(grad_models, grad_extra, xr, flag)
-            grads = [g if g is None else g.float()
-                     for g in torch.autograd.grad(loss_r, flat_grad_params + unowned_ref, allow_unused=True)]
-            pos = 0
-            for k, ps in enumerate(ref_params):
-                for j in range(len(ps)):
-                    g = grads[pos + j]
+            loss_r = ref_loss(grad_models, grad_extra, xr, flag, r)
+            wanted = [p for ps in grad_params + left_out for p in ps if p.requires_grad] + unowned_ref
+            grad_of = {id(p): None if g is None else g.float()
+                       for p, g in zip(wanted, torch.autograd.grad(loss_r, wanted, allow_unused=True))}
+            for k, ps in enumerate(grad_params):
+                for j, p in enumerate(ps):
+                    g = grad_of.get(id(p))
                     if g is not None:
                         acc[k][j] += g / (world * case.engines[k].gas)
-                pos += len(ps)
-            if r == rank and case.unowned:
-                local = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads[pos:], unowned_ref)]
+            if r != rank:
+                continue
+            for k in range(n):
+                for p, q in zip(left_out[k], left_out_eng[k]):
+                    expected = [grad_of[id(p)] if grad_of[id(p)] is not None else torch.zeros_like(p, dtype=torch.float32)]
+                    actual = [q.grad.float() if q.grad is not None else torch.zeros_like(expected[0])]
+                    _checked("unowned", assert_grads_close if not bf16 else assert_rel_l2_close, actual, expected,
+                             **({"tol": BF16_GRAD_REL_L2} if bf16 else FP32_GRAD),
+                             what=f"micro {i} e{k} parameter in no optimizer group: local .grad")
+            if case.unowned:
+                local = [grad_of[id(p)] if grad_of[id(p)] is not None else torch.zeros_like(p) for p in unowned_ref]
                 actual = [p.grad.float() for p in unowned.parameters()]
                 if bf16:
                     _checked("unowned", assert_rel_l2_close, actual, local, tol=BF16_GRAD_REL_L2,
                              what=f"micro {i} unowned .grad")
                 else:
                     _checked("unowned", assert_grads_close, actual, local, **FP32_GRAD, what=f"micro {i} unowned .grad")
+        for k, ec in enumerate(case.engines):
+            if ec.switching:   # trained again from the next micro-step (and safe_get_full_grad reads it)
+                for m in (engines[k].module, grad_models[k]):
+                    for p in switched(m):
+                        p.requires_grad_(True)
         for k in range(n):
             got_grad[k] |= used[k]
         for k, (eng, ec) in enumerate(zip(engines, case.engines)):
@@ -344,7 +447,7 @@ def _run_case(case: Case) -> dict:
                 raise Mismatch("nograd", f"micro {i} e{k}: step() without a gradient did not raise NoGradientError")
             if boundary:
                 what = f"micro {i} e{k} (optimizer step {opt_steps[k]})"
-                actual = full_grads(eng)
+                actual = owned_full_grads(engine_owned[k])
                 if bf16:
                     _checked("grad", assert_rel_l2_close, actual, acc[k], tol=BF16_GRAD_REL_L2, what=what)
                 else:
@@ -388,24 +491,35 @@ def _run_case(case: Case) -> dict:
 def cases(draw) -> Case:
     pattern = draw(st.sampled_from(PATTERNS))
     n = draw(st.integers(2 if pattern == "unused" else 1, 4))
-    engines = tuple(EngineCase(
-        stage=draw(st.sampled_from(STAGES)),
-        gas=draw(st.integers(1, 4)),
-        clip=draw(st.sampled_from((1.0, 0.0, 0.5))),
-        bucket=draw(st.sampled_from(BUCKETS)),
-        kind=draw(st.sampled_from(KINDS)),
-        hidden=draw(st.sampled_from((8, 5, 13))),
-        via_module=draw(st.booleans()),
-        hooked=draw(st.sampled_from((False, False, True))),
-        threshold=draw(st.sampled_from(THRESHOLDS)),
-        prefetch=draw(st.sampled_from(PREFETCHES)),
-    ) for _ in range(n))
+    # rank-dependent graphs (a graph break on some ranks, a head per rank) at ZeRO-1/2 only
+    ranked = pattern == "break_on_some_ranks" or draw(st.sampled_from((False, False, False, True)))
+    engines = tuple(engine_case(draw, ranked) for _ in range(n))
+    frozen = draw(st.booleans())
     return Case(
         # World 3 (uneven partitions, padding) and inductor (slow compiles on CPU) for a minority.
         world=draw(st.sampled_from((2, 2, 2, 3))),
         dtype=draw(st.sampled_from(("fp32", "bf16"))),
         inner=draw(st.sampled_from(("eager",) * 7 + ("inductor",))),
-        pattern=pattern, frozen=draw(st.booleans()), unowned=draw(st.booleans()), engines=engines)
+        pattern=pattern, frozen=frozen, unowned=draw(st.booleans()), engines=engines,
+        frozen_engine=frozen and not ranked and draw(st.booleans()))
+
+
+def engine_case(draw, ranked: bool) -> EngineCase:
+    kind = draw(st.sampled_from(KINDS if ranked else tuple(k for k in KINDS if k != "heads")))
+    return EngineCase(
+        stage=draw(st.sampled_from(RANK_DEPENDENT_STAGES if ranked else STAGES)),
+        gas=draw(st.integers(1, 4)),
+        clip=draw(st.sampled_from((1.0, 0.0, 0.5))),
+        bucket=draw(st.sampled_from(BUCKETS)),
+        kind=kind,
+        hidden=draw(st.sampled_from((8, 5, 13))),
+        via_module=draw(st.booleans()),
+        hooked=draw(st.sampled_from((False, False, True))),
+        threshold=draw(st.sampled_from(THRESHOLDS)),
+        prefetch=draw(st.sampled_from(PREFETCHES)),
+        switching=kind != "frozen_part" and draw(st.sampled_from((False, False, True))),
+        no_group=draw(st.sampled_from((False, False, True))),
+        allreduce=draw(st.sampled_from((False, False, True))))
 
 
 _POOLS: dict[int, RankPool] = {}

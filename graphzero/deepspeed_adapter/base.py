@@ -315,17 +315,20 @@ class DeepSpeedBinding:
         what = f"engine {self.name!r} parameter {group.names[k]!r} (eager safety net)"
         scale = self.runtime_scale()
         state = self.state
-        if state.defers_reduction():
-            # ZeRO-1 with gas > 1: as in the compiled graphs, keep non-boundary micro-steps local
-            # and reduce the window's sum at the boundary (the exchange below still catches ranks
-            # that disagree on the boundary).
+        backward = runtime.scope.current()
+        backward.reach(state)   # the backward's end reduces pending sums
+        # ZeRO-1 with gas > 1: as in the compiled graphs, keep non-boundary micro-steps local and
+        # reduce the window's sum at the boundary. Ranks that ran different graphs keep it locally
+        # too, and the backward's end reduces it (runtime/scope.py).
+        window = state.defers_reduction()
+        keep = window and not self.at_boundary()
+        together = backward.agree(rank_agreement.fingerprint(("eager-local" if keep else "eager", self.name, g, k)),
+                                  True, [(ps.group_name, ps.process_group)], what)
+        if window or not together:
             start = group.offsets[k]
             mine = state.partial.buffer(g)[start:start + param.numel()]
             mine.add_(param.grad.detach().reshape(-1).to(mine.dtype), alpha=scale)
-            runtime.scope.current().reach(state)   # the backward's end reduces other pending sums
-            if not self.at_boundary():
-                rank_agreement.agree(rank_agreement.fingerprint(("eager-local", self.name, g, k)),
-                                     ps.process_group, what)
+            if keep or not together:
                 state.partial.keeping([(g, k)])
                 state.received_gradient = True
                 param.grad = None
@@ -334,7 +337,6 @@ class DeepSpeedBinding:
             state.partial.reduced([(g, k)])
         else:
             grad = param.grad.detach().to(ps.comm_dtype).reshape(-1).clone()
-        rank_agreement.agree(rank_agreement.fingerprint(("eager", self.name, g, k)), ps.process_group, what)
         with rank_agreement.collective_failures(what):
             dist.all_reduce(grad, group=ps.process_group)
         sink = self.state.write_sinks([param])[g]

@@ -3,11 +3,11 @@
 `BackwardScope` (scope.py, one per autograd backward) and the compiled graphs as called at run
 time (backward.py).
 """
-from .backward import Backward, CountForwards, GraphBackward, Modes, label
+from .backward import Backward, CountForwards, ForwardWithAgreement, GraphBackward, Modes, label
 from .norm import FoldedNorm
 from .partial import PartialSums
 from .scope import BackwardScope
 from .state import EngineBinding, EngineState, GraphCall
 
 __all__ = ["Backward", "BackwardScope", "CountForwards", "EngineBinding", "EngineState", "FoldedNorm",
-           "GraphBackward", "GraphCall", "Modes", "PartialSums", "label"]
+           "ForwardWithAgreement", "GraphBackward", "GraphCall", "Modes", "PartialSums", "label"]

@@ -4,8 +4,9 @@ A collective cannot be skipped at run time, so a backward whose engines may keep
 (runtime/state.py) is compiled in variants, one per combination of its engines' modes, each when
 first needed. `Backward` picks the variant per call; `GraphBackward` calls it with each engine's
 run-time inputs (fetched per call: an optimizer step replaces or zeroes them) and tells each
-engine's state afterwards. The variant is part of its collective plan, so ranks that disagree raise
-a RankDisagreementError instead of hanging. A lazily compiled variant runs under the tracing and
+engine's state afterwards. The variant is part of its collective plan, which the ranks compare
+before running it: where they differ, the backward goes on with the variant that keeps every
+engine's gradients locally (scope.py). A lazily compiled variant runs under the tracing and
 compile contexts AOT autograd saved, as AOT does for its own lazy backward compile.
 """
 from __future__ import annotations
@@ -62,10 +63,13 @@ class CountForwards:
 class Backward:
     """A boxed backward that dispatches on the mode of each of its engines."""
 
-    def __init__(self, positions: dict[EngineState, tuple[Position, ...]],
+    def __init__(self, positions: dict[EngineState, tuple[Position, ...]], layouts: dict[EngineState, ParamSet],
                  compile_variant: Callable[[Modes], Callable], compiled: dict[tuple[Mode, ...], Callable]) -> None:
         self._boxed_call = True   # in the instance dict: dynamo's disable() wrapper copies __dict__
         self.positions = dict(positions)   # engine -> the positions of its parameters this graph reaches
+        # engine -> the layout this graph was compiled with: a later attach renames the engine and
+        # gives its state a new layout object, which the graph's passes would not recognise
+        self.layouts = dict(layouts)
         self._compile_variant = compile_variant
         self.compiled = dict(compiled)
         self._tracing = torch._guards.TracingContext.try_get()
@@ -74,16 +78,21 @@ class Backward:
     def variant(self, key: tuple[Mode, ...]) -> Callable:
         fn = self.compiled.get(key)
         if fn is None:
-            modes = {state.layout: mode for state, mode in zip(self.positions, key)}
+            modes = {self.layouts[state]: mode for state, mode in zip(self.positions, key)}
             with torch._guards.tracing(self._tracing), torch._guards.compile_context(self._compile):
                 fn = self.compiled[key] = self._compile_variant(modes)
         return fn
 
     def __call__(self, args: list[Any]) -> Any:
-        scope.current()   # opens this backward's scope (and abandons one whose backward raised)
+        backward = scope.current()   # opens this backward's scope (and abandons one whose backward raised)
         for state, positions in self.positions.items():
             state.backward_reaches(positions)
-        return self.variant(tuple(state.mode(positions) for state, positions in self.positions.items()))(args)
+        fn = self.variant(tuple(state.mode(positions) for state, positions in self.positions.items()))
+        fn.check()
+        if fn.agree(backward):
+            return fn.run(args, backward)
+        # the ranks ran different graphs: keep every engine's gradients locally, the scope's end reduces them
+        return self.variant((Mode.KEEP,) * len(self.positions)).run(args, backward)
 
 
 class GraphBackward:
@@ -112,9 +121,12 @@ class GraphBackward:
         # One exchange per data-parallel group (usually all engines share one).
         self.groups = list({ps.group_name: ps.process_group for ps in layouts}.items())
         self.fingerprint = rank_agreement.fingerprint(ctx.collective_plan)
+        # ZeRO-3 gathers in the backward: collectives in every variant (no local fallback)
+        self.gathers = any(entry[0] == "bwd" for entry in ctx.zero3_plan)
         self.fault_timeout_s = fault_timeout_s
 
-    def __call__(self, args: list[Any]) -> Any:
+    def check(self) -> None:
+        """Refuse to run a graph whose engines or parameter hooks changed since it was compiled."""
         detached = [state.name for state in self.states.values() if state.detached]
         if detached:
             raise GraphZeroError(f"engine(s) {detached} were detached from graphzero after this graph was compiled; "
@@ -126,20 +138,58 @@ class GraphBackward:
                 "compiled, and the graph reduces their gradients where no new hook can run; register parameter "
                 "hooks before the first call of the compiled step, or call torch._dynamo.reset() to compile it "
                 "again")
-        accumulating = self.probe.accumulating()
+
+    def agree(self, backward: scope.BackwardScope) -> bool:
+        """Whether every rank runs this variant now (False: the backward keeps its gradients locally)."""
+        return backward.agree(self.fingerprint, not self.gathers, self.groups, self.what, self.fault_timeout_s)
+
+    def __call__(self, args: list[Any]) -> Any:
+        """A graph without variants (no trained engine: it reduces nothing, so it also runs where the
+        ranks ran different graphs, unless it gathers)."""
         backward = scope.current()
+        self.check()
+        self.agree(backward)
+        return self.run(args, backward)
+
+    def run(self, args: list[Any], backward: scope.BackwardScope) -> Any:
+        if backward.diverged is not None and self.gathers:
+            backward.abort(self.what)
+        accumulating = self.probe.accumulating()
         calls = {ps: state.before_graph([s for s in self.slots if s.param_set is ps], self.modes[ps],
                                         self.positions[ps], self.present[ps], accumulating[ps])
                  for ps, state in self.states.items()}
         args.extend(calls[slot.param_set].tensor(slot) for slot in self.slots)
-        for _, group in self.groups:
-            rank_agreement.agree(self.fingerprint, group, self.what, self.fault_timeout_s)
         with rank_agreement.collective_failures(self.what):
             out = self.compiled(args)
         for ps, state in self.states.items():
             state.after_graph(calls[ps])
             backward.reach(state)
         return out
+
+
+class ForwardWithAgreement:
+    """A compiled forward that gathers ZeRO-3 parameters, after the ranks agree on the gather plan
+    (a recompute inside a backward in which the ranks ran different graphs cannot gather: it raises
+    on every rank, scope.py)."""
+
+    def __init__(self, compiled, plan: list[tuple], groups: list[tuple[str, object]], what: str,
+                 timeout_s: float | None) -> None:
+        # In the instance dict: dynamo's disable() wrapper copies __dict__, not class attributes.
+        self._boxed_call = True
+        self.compiled = compiled
+        self.fingerprint = rank_agreement.fingerprint(plan)
+        self.groups = groups
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def __call__(self, args: list) -> object:
+        backward = scope.running()
+        if backward is not None and backward.diverged is not None:
+            backward.abort(self.what)
+        for _, group in self.groups:
+            rank_agreement.agree(self.fingerprint, group, self.what, self.timeout_s)
+        with rank_agreement.collective_failures(self.what):
+            return self.compiled(args)
 
 
 def _hook_ids(param: torch.Tensor) -> tuple[int, ...]:

@@ -13,14 +13,27 @@ last backward (a count no backward reaches, e.g. a generator's during a GAN's cr
 not make the next backward keep its gradients). A wrong count costs time, never gradients. A
 backward that raised never runs its callback: the next task abandons the scope
 (`EngineState.backward_abandoned`).
+
+Rank-dependent graphs (a task head per rank, a graph break or an eager frame on one rank): every
+graph's backward first compares its collective plan across ranks (`agree`). Once two ranks differ
+the scope is diverged: from then on every graph keeps its gradients locally (no collective runs),
+and the end compares which engines each rank reached (`_settle`), then reduces the union of the
+ranks' partial sums once per engine in attach order: the gradient DDP's ``find_unused_parameters``
+gives. A graph that must gather ZeRO-3 parameters in its backward cannot go on alone: it ends the
+scope on every rank with a RankDisagreementError (`abort`).
 """
 from __future__ import annotations
 
 from collections.abc import Collection
 
 import torch
+import torch.distributed as dist
 
+from .. import rank_agreement
+from ..errors import RankDisagreementError
 from .state import EngineState, Position
+
+Groups = list[tuple[str, object]]   # (name, process group)
 
 
 class BackwardScope:
@@ -28,9 +41,53 @@ class BackwardScope:
         self.task: int | None = None
         self.reached: dict[EngineState, None] = {}   # ordered sets
         self.counted: dict[EngineState, None] = {}
+        # the process groups whose ranks ran different plans in this backward (None: they agree)
+        self.diverged: Groups | None = None
 
     def reach(self, state: EngineState) -> None:
         self.reached.setdefault(state)
+
+    def agree(self, fingerprint: int, local_ok: bool, groups: Groups, what: str,
+              timeout_s: float | None = None) -> bool:
+        """Whether the ranks run the plan with this fingerprint together (True), or the backward
+        goes on locally (False). ``local_ok``: the caller can keep its gradients without any
+        collective; if not, and the ranks differ, RankDisagreementError on every rank."""
+        if self.diverged is None:
+            for _, group in groups:
+                if not rank_agreement.same(fingerprint, local_ok, group, what, timeout_s):
+                    self.diverged = list(groups)
+                    break
+        if self.diverged is not None and not local_ok:
+            self.abort(what)
+        return self.diverged is None
+
+    def abort(self, what: str) -> None:
+        """A diverged backward reached something that needs collectives: raise, on every rank."""
+        self._settle(what, ok=False)
+
+    def _settle(self, what: str, ok: bool = True) -> None:
+        """The ranks of a diverged backward compare the engines each reached and whether each
+        ends its accumulation window now; the end reduces their partial sums only if all match."""
+        ordered = sorted(self.reached, key=lambda s: s.attach_order)
+        mine = (ok, [(s.name, s.flushes_at_end()) for s in ordered])
+        for _, group in self.diverged:
+            every: list = [None] * dist.get_world_size(group)
+            with rank_agreement.collective_failures(what):
+                dist.all_gather_object(every, mine, group=group)
+            if all(ok for ok, _ in every) and all(e == mine for e in every):
+                continue
+            for state in ordered:
+                state.backward_abandoned(diverged=True)
+            ranks = dist.get_process_group_ranks(group)
+            failed = [r for r, (ok, _) in zip(ranks, every) if not ok]
+            why = (f"rank(s) {failed} reached {what}, which needs collectives (ZeRO-3 gathers in its backward)"
+                   if failed else "per rank, the engines reached (and whether each ends its accumulation window): "
+                   + ", ".join(f"rank {r}: {engines}" for r, (_, engines) in zip(ranks, every)))
+            raise RankDisagreementError(
+                f"ranks disagree on what to reduce: the ranks ran different graphs in one backward and cannot "
+                f"finish it together: {why}. graphzero reduces rank-dependent graphs only when every rank reaches "
+                "the same engines and none gathers ZeRO-3 parameters after the graphs differ; the partial gradients "
+                "of this backward are dropped")
 
     def _end(self) -> None:
         global _scope
@@ -38,8 +95,12 @@ class BackwardScope:
             _scope = BackwardScope()
         for state in self.counted:
             state.forwards.clear()
+        if self.diverged is not None:
+            self._settle("the end of a backward in which the ranks ran different graphs")
+            for state in self.reached:
+                state.ran_apart()
         for state in sorted(self.reached, key=lambda s: s.attach_order):
-            state.end_backward()
+            state.end_backward(every_rank=self.diverged is not None)
 
 
 
@@ -50,6 +111,12 @@ def forward_ran(state: EngineState, positions: Collection[Position]) -> None:
     """A training forward reaching these parameters of the engine ran: its backward is pending."""
     state.forward_ran(positions)
     _scope.counted.setdefault(state)
+
+
+def running() -> BackwardScope | None:
+    """The scope of the running autograd backward if one is open, without opening one."""
+    task = torch._C._current_graph_task_id()
+    return _scope if task != -1 and _scope.task == task else None
 
 
 def current() -> BackwardScope:

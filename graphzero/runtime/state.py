@@ -98,6 +98,8 @@ class EngineState:
         # set by detach: graphs compiled while attached must not run any more
         self.detached = False
         self.attach_order = next(_ATTACH_ORDER)
+        # backwards in which the ranks ran different graphs (runtime/scope.py): reduced at their end
+        self.backwards_apart = 0
         self._scales: dict[float, torch.Tensor] = {}
 
     @property
@@ -184,21 +186,36 @@ class EngineState:
             self.binding.mark_present(present)
         return self.binding.sinks()
 
-    def end_backward(self) -> None:
+    def ran_apart(self) -> None:
+        """A backward in which the ranks ran different graphs reached the engine: its gradients were
+        kept locally and are reduced at the backward's end, without overlap."""
+        if not self.backwards_apart:
+            log.warning("engine %r: the ranks ran different graphs in one backward (rank-dependent Python, a graph "
+                        "break or an eager frame on some ranks); its gradients are kept locally and reduced once at "
+                        "the end of the backward, without overlap with compute", self.name)
+        self.backwards_apart += 1
+
+    def flushes_at_end(self) -> bool:
+        """Whether the end of a backward reduces the partial sums: not inside a ZeRO-1 window."""
+        return not (self.window and not self.binding.at_boundary())
+
+    def end_backward(self, every_rank: bool = False) -> None:
         """The autograd backward ended: reduce what no graph reduced, unless a ZeRO-1 window is still
-        open, so that the gradients are complete when the backward returns, as after DeepSpeed's."""
+        open, so that the gradients are complete when the backward returns, as after DeepSpeed's.
+        ``every_rank``: the ranks ran different graphs; flush even with nothing pending here."""
         self.forwards.clear()
-        if self.partial.pending and not (self.window and not self.binding.at_boundary()):
-            self.flush()
+        if self.flushes_at_end():
+            self.flush(every_rank)
         self.binding.backward_ended()
 
-    def backward_abandoned(self) -> None:
+    def backward_abandoned(self, diverged: bool = False) -> None:
         """A backward that reached the engine raised (its end never ran): per-parameter sums kept
         for its later graphs are dropped (its ``.grad`` would be as incomplete under eager
-        autograd); a window's flat sums stay theirs."""
-        if self.partial.per_param and self.partial.pending:
-            log.warning("engine %r: dropping %d ZeRO-3 parameter gradient(s) kept by a backward that did not finish",
-                        self.name, len(self.partial.pending))
+        autograd); a window's flat sums stay theirs, unless the ranks ran different graphs
+        (``diverged``): then no rank's sums can be reduced and all are dropped."""
+        if (self.partial.per_param or diverged) and self.partial.pending:
+            log.warning("engine %r: dropping the partial gradient sums of %d parameter(s) kept by a backward that "
+                        "did not finish", self.name, len(self.partial.pending))
             self.partial.clear()
 
     # -- optimizer step -------------------------------------------------------------------------
@@ -228,16 +245,23 @@ class EngineState:
         self.received_gradient = False
 
     @torch.no_grad()
-    def flush(self) -> None:
-        """Reduce every pending partial sum into the shards, eagerly (usually nothing is pending):
-        ZeRO-1/2 one all-reduce per flat group, ZeRO-3 one reduce-scatter per parameter."""
-        if not self.partial.pending:
-            return
+    def flush(self, every_rank: bool = False) -> None:
+        """Reduce every rank's pending partial sums into the shards, eagerly (usually nothing is
+        pending): ZeRO-1/2 one all-reduce per flat group, ZeRO-3 one reduce-scatter per parameter.
+        The ranks reduce the union of their pending parameters (they differ after rank-dependent
+        graphs, runtime/scope.py); a rank without a sum for one adds zeros. ``every_rank``: some
+        rank may hold sums where this one holds none (else all or none hold some)."""
         layout, partial = self.layout, self.partial
-        pending = sorted(partial.pending)
+        if not partial.pending and not every_rank:
+            return
         what = f"engine {self.name!r}: partial gradient sums left at the end of a backward or window"
-        rank_agreement.agree(rank_agreement.fingerprint(("partial-flush", self.name, pending)),
-                             layout.process_group, what)
+        pending = self._union_pending(what)
+        if not pending:
+            return
+        if partial.per_param and not partial.pending:
+            partial.scale = self.binding.runtime_scale()
+        partial.keeping(pending - partial.pending, partial.scale)
+        pending = sorted(pending)
         sinks = self.write_sinks([layout.groups[g].params[k] for g, k in pending])
         with rank_agreement.collective_failures(what):
             if partial.per_param:
@@ -255,3 +279,14 @@ class EngineState:
                     lo = layout.rank * shard if group.sharded else 0
                     sinks[g].add_(flat[lo:lo + shard].to(sinks[g].dtype))
         partial.reduced(pending)
+
+    def _union_pending(self, what: str) -> set[Position]:
+        """The parameters any rank holds a partial sum for (one exchange; a rank flushing another
+        engine raises RankDisagreementError on every rank)."""
+        positions = [(g, k) for g, group in enumerate(self.layout.groups) for k in range(len(group.params))]
+        header = rank_agreement.fingerprint(("partial-flush", self.name, len(positions)))
+        every = rank_agreement.exchange([header] + [int(p in self.partial.pending) for p in positions],
+                                        self.layout.process_group, what)
+        if len({row[0] for row in every}) > 1:
+            raise rank_agreement.disagreement(self.layout.process_group, [row[:1] for row in every], what)
+        return {p for i, p in enumerate(positions) if any(row[i + 1] for row in every)}
