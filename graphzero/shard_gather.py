@@ -20,6 +20,8 @@ class _GatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if not torch.compiler.is_compiling():   # traced into a graph it is a collective the plan lists
+            _refuse_where_ranks_ran_apart()
         flat = grad.contiguous().view(-1)
         if flat.numel() < ctx.padded:
             flat = torch.nn.functional.pad(flat, (0, ctx.padded - flat.numel()))
@@ -39,6 +41,15 @@ class _GatherShardLocalGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return None, grad, None, None, None, None
+
+
+def _refuse_where_ranks_ran_apart() -> None:
+    """Run eagerly inside a backward in which the ranks ran different graphs, this reduce-scatter
+    would meet other collectives: a RankDisagreementError on every rank instead (runtime/scope.py)."""
+    from .runtime import scope
+    backward = scope.running()
+    if backward is not None and backward.diverged is not None:
+        backward.abort("a ZeRO-3 parameter's gradient reduced by eager autograd")
 
 
 def gather_shard(shard: torch.Tensor, numel: int, shape: tuple[int, ...], world: int,

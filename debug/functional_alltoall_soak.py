@@ -1,0 +1,48 @@
+"""Plain torch, no graphzero, no DeepSpeed: the per-step collective pattern of the compiled ZeRO-3
+GAN backward on gloo, through the functional collectives (``torch.ops._c10d_functional``) that
+inductor's code calls: reduce-scatters lowered to ``all_to_all_single`` with one-sided split sizes,
+two in flight at once, each waited with ``wait_tensor`` later, while the main thread allocates.
+
+Run: ``bash debug/functional_alltoall_soak.sh [iterations]`` (two ranks on this machine). A crash
+here (glibc "unaligned tcache chunk", SIGSEGV) is torch's or gloo's, not graphzero's.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+c10d = torch.ops._c10d_functional
+
+
+def main(iterations: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD.group_name
+    sizes = (2113, 1057, 16904 // 4, 33280 // 4, 64, 8)
+    start = time.time()
+    for it in range(iterations):
+        works = []
+        for n in sizes:
+            src = torch.randn(2 * n)
+            # rank r keeps chunk r: it sends the other chunk, receives the other rank's (as lowered)
+            split = [0, n] if rank == 0 else [n, 0]
+            out = c10d.all_to_all_single(src[n:] if rank == 0 else src[:n], split, split, group)
+            works.append(out)
+            if len(works) > 2:   # at most two in flight, as the compiled backward's schedule
+                c10d.wait_tensor(works.pop(0)).sum()
+            churn = [torch.empty(k * 37) for k in range(1, 40)]   # the main thread allocates meanwhile
+            del churn
+        for w in works:
+            c10d.wait_tensor(w).sum()
+        if it % 5000 == 0 and rank == 0:
+            print(f"iteration {it}/{iterations}, {time.time() - start:.0f} s", flush=True)
+    dist.barrier()
+    if rank == 0:
+        print(f"done: {iterations} iterations, no crash", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100_000)
