@@ -106,9 +106,13 @@ class PassContext:
         """What this graph reduces, in order, with nothing rank-specific: ranks compare it before
         reducing (rank_agreement.py)."""
         # The variant is part of the plan: ranks that disagree on the boundary raise, not hang.
+        # So are the parameters a variant keeps or reduces with their sums: ranks keeping different
+        # ones hold different sums (runtime/scope.py then reduces their union).
         return [(b.param_set.name, b.group, b.lo, b.hi, str(b.param_set.comm_dtype), self.collective)
                 for b in self.buckets] + list(self.zero3_plan) + [
-                    ("partial", ps.name, mode.value) for ps, mode in self.modes.items()]
+                    ("partial", ps.name, mode.value, tuple(sorted({(o.group, o.position)
+                                                                   for o in self.partial_grads.get(ps, [])})))
+                    for ps, mode in self.modes.items()]
 
     def count(self, param_set: ParamSet, key: str, amount: int = 1) -> None:
         self.stats[param_set][key] = self.stats[param_set].get(key, 0) + amount

@@ -61,26 +61,46 @@ def heads_loss(models, x, task: int):
     return models["net"](x, task).square().mean()
 
 
+def heads_loss_breaking_on_task0(models, x, task: int):
+    """The same loss, with a graph break between trunk and head where the task is 0 (rank 0)."""
+    net = models["net"].module if hasattr(models["net"], "module") else models["net"]
+    h = net.trunk(x)
+    if task == 0:
+        torch._dynamo.graph_break()
+    return net.heads(h, task).square().mean()
+
+
+def task_of(rank: int, micro: int, gas: int, tasks: str) -> int:
+    """per_rank: rank r trains head r. boundary_agrees (gas > 1): inside the window rank 0 trains
+    head 0 and rank 1 head 2, and at the boundary both train head 2 (the boundary graphs agree,
+    while the window's sums differ: its flush must still exchange on every rank)."""
+    if tasks == "per_rank" or micro < gas - 1:
+        return rank if tasks == "per_rank" else 2 * rank
+    return 2
+
+
 def apart(eng) -> int:
     """Backwards in which the ranks ran different graphs, as the engine's run-time state counts them."""
     from graphzero.deepspeed_adapter import binding_of
     return binding_of(eng).state.backwards_apart
 
 
-def heads_scenario(stage: int, gas: int) -> str:
+def heads_scenario(stage: int, gas: int, tasks: str = "per_rank", breaking: bool = False) -> str:
     import graphzero
     rank, world = rank_world()
     torch.manual_seed(0)
     model = TaskHeads()
     ref = Reference({"net": model})
     eng = engine(model, ds_config(stage, gas=gas))
-    step = torch.compile(heads_loss, backend="graphzero", options={"engines": {"net": eng}, "inner": "eager"})
+    loss_fn = heads_loss_breaking_on_task0 if breaking else heads_loss
+    step = torch.compile(loss_fn, backend="graphzero", options={"engines": {"net": eng}, "inner": "eager"})
     try:
         for t in range(STEPS):
             for micro in range(gas):
                 i = t * gas + micro
-                step({"net": eng}, *data(i, rank, (4, 8)), rank).backward()
-                ref.accumulate(heads_loss, [[*data(i, r, (4, 8)), r] for r in range(world)], gas=gas)
+                step({"net": eng}, *data(i, rank, (4, 8)), task_of(rank, micro, gas, tasks)).backward()
+                ref.accumulate(heads_loss, [[*data(i, r, (4, 8)), task_of(r, micro, gas, tasks)] for r in range(world)],
+                               gas=gas)
                 if micro < gas - 1:
                     eng.step()
             assert_grads_close(full_grads(eng), ref.grads("net"), **GRAD_TOL, what=f"rank {rank} step {t}")
@@ -93,10 +113,14 @@ def heads_scenario(stage: int, gas: int) -> str:
     return f"ok, {apart(eng)} apart"
 
 
-@pytest.mark.parametrize("stage,gas", [(1, 1), (2, 1), (1, 2)])
-def test_each_rank_trains_its_own_head(ranks, stage, gas):
-    # ZeRO-1 with gas 2: the window's first micro-step keeps locally on every rank (same plan)
-    assert ranks.run(heads_scenario, stage, gas, timeout=240) == [f"ok, {STEPS} apart"] * 2
+@pytest.mark.parametrize("stage,gas,tasks,breaking,apart_per_step", [
+    (1, 1, "per_rank", False, 1), (2, 1, "per_rank", False, 1), (1, 2, "per_rank", False, 2),
+    (1, 2, "boundary_agrees", False, 1),   # only the window's first micro-step runs apart
+    (2, 2, "per_rank", True, 2),           # rank 0 runs two graphs per micro-step, rank 1 one
+])
+def test_each_rank_trains_its_own_head(ranks, stage, gas, tasks, breaking, apart_per_step):
+    out = ranks.run(heads_scenario, stage, gas, tasks, breaking, timeout=240)
+    assert out == [f"ok, {STEPS * apart_per_step} apart"] * 2, out
 
 
 def test_zero3_heads_gathered_per_rank_raise_on_every_rank(ranks):
@@ -122,6 +146,7 @@ def gan_scenario(stage: int, kind: str) -> int:
     """kind: "log_on_rank0" (a graph break on rank 0 only), "eager_on_rank1" (rank 1 runs the step
     uncompiled: the safety net keeps its gradients once the ranks differ)."""
     rank, _ = rank_world()
+    LOGGED.clear()
     engines, ref = gan_engines(stage)
     step = torch.compile(logged_gan_loss, backend="graphzero", options={"inner": "eager"})
     for t in range(STEPS):

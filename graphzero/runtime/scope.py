@@ -15,7 +15,8 @@ backward that raised never runs its callback: the next task abandons the scope
 (`EngineState.backward_abandoned`).
 
 Rank-dependent graphs (a task head per rank, a graph break or an eager frame on one rank): every
-graph's backward first compares its collective plan across ranks (`agree`). Once two ranks differ
+graph's backward first compares its collective plan across ranks (`agree`), and so does the end of
+every backward that compared anything (a rank with more graphs meets its peers' end). Once two ranks differ
 the scope is diverged: from then on every graph keeps its gradients locally (no collective runs),
 and the end compares which engines each rank reached (`_settle`), then reduces the union of the
 ranks' partial sums once per engine in attach order: the gradient DDP's ``find_unused_parameters``
@@ -34,6 +35,7 @@ from ..errors import RankDisagreementError
 from .state import EngineState, Position
 
 Groups = list[tuple[str, object]]   # (name, process group)
+_END = rank_agreement.fingerprint("the end of a backward")
 
 
 class BackwardScope:
@@ -43,6 +45,8 @@ class BackwardScope:
         self.counted: dict[EngineState, None] = {}
         # the process groups whose ranks ran different plans in this backward (None: they agree)
         self.diverged: Groups | None = None
+        # every group an exchange of this backward used: its end exchanges once more on each
+        self.groups: dict[str, object] = {}
 
     def reach(self, state: EngineState) -> None:
         self.reached.setdefault(state)
@@ -52,6 +56,7 @@ class BackwardScope:
         """Whether the ranks run the plan with this fingerprint together (True), or the backward
         goes on locally (False). ``local_ok``: the caller can keep its gradients without any
         collective; if not, and the ranks differ, RankDisagreementError on every rank."""
+        self.groups.update(groups)
         if self.diverged is None:
             for _, group in groups:
                 if not rank_agreement.same(fingerprint, local_ok, group, what, timeout_s):
@@ -95,6 +100,10 @@ class BackwardScope:
             _scope = BackwardScope()
         for state in self.counted:
             state.forwards.clear()
+        if self.diverged is None and self.groups:
+            # A rank with more graphs (or eager reductions) in this backward than its peers meets
+            # their end here, and the backward diverges instead of pairing with their next one.
+            self.agree(_END, True, list(self.groups.items()), "the end of a backward")
         if self.diverged is not None:
             self._settle("the end of a backward in which the ranks ran different graphs")
             for state in self.reached:

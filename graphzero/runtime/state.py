@@ -100,6 +100,9 @@ class EngineState:
         self.attach_order = next(_ATTACH_ORDER)
         # backwards in which the ranks ran different graphs (runtime/scope.py): reduced at their end
         self.backwards_apart = 0
+        # such a backward inside an open ZeRO-1 window: the ranks' pending sums may differ until the
+        # window's flush, which then exchanges on every rank
+        self.apart_in_window = False
         self._scales: dict[float, torch.Tensor] = {}
 
     @property
@@ -194,6 +197,7 @@ class EngineState:
                         "break or an eager frame on some ranks); its gradients are kept locally and reduced once at "
                         "the end of the backward, without overlap with compute", self.name)
         self.backwards_apart += 1
+        self.apart_in_window = self.apart_in_window or not self.flushes_at_end()
 
     def flushes_at_end(self) -> bool:
         """Whether the end of a backward reduces the partial sums: not inside a ZeRO-1 window."""
@@ -205,7 +209,7 @@ class EngineState:
         ``every_rank``: the ranks ran different graphs; flush even with nothing pending here."""
         self.forwards.clear()
         if self.flushes_at_end():
-            self.flush(every_rank)
+            self.flush(every_rank or self.apart_in_window)
         self.binding.backward_ended()
 
     def backward_abandoned(self, diverged: bool = False) -> None:
@@ -229,7 +233,7 @@ class EngineState:
                 "last optimizer step reached its parameters; skip this engine's step() when the loss does not "
                 "use it")
         if boundary:
-            self.flush()
+            self.flush(self.apart_in_window)
         return boundary
 
     def after_step(self, boundary: bool) -> None:
@@ -242,6 +246,7 @@ class EngineState:
         if self.norm is not None:
             self.norm.forget()
         self.partial.clear()
+        self.apart_in_window = False
         self.received_gradient = False
 
     @torch.no_grad()
@@ -254,6 +259,7 @@ class EngineState:
         layout, partial = self.layout, self.partial
         if not partial.pending and not every_rank:
             return
+        self.apart_in_window = False
         what = f"engine {self.name!r}: partial gradient sums left at the end of a backward or window"
         pending = self._union_pending(what)
         if not pending:
@@ -284,9 +290,9 @@ class EngineState:
         """The parameters any rank holds a partial sum for (one exchange; a rank flushing another
         engine raises RankDisagreementError on every rank)."""
         positions = [(g, k) for g, group in enumerate(self.layout.groups) for k in range(len(group.params))]
-        header = rank_agreement.fingerprint(("partial-flush", self.name, len(positions)))
-        every = rank_agreement.exchange([header] + [int(p in self.partial.pending) for p in positions],
+        # the engine first (fixed size), then the bitmap, whose length is the engine's
+        rank_agreement.agree(rank_agreement.fingerprint(("partial-flush", self.name, len(positions))),
+                             self.layout.process_group, what)
+        every = rank_agreement.exchange([int(p in self.partial.pending) for p in positions],
                                         self.layout.process_group, what)
-        if len({row[0] for row in every}) > 1:
-            raise rank_agreement.disagreement(self.layout.process_group, [row[:1] for row in every], what)
-        return {p for i, p in enumerate(positions) if any(row[i + 1] for row in every)}
+        return {p for i, p in enumerate(positions) if any(row[i] for row in every)}
