@@ -1,12 +1,14 @@
-"""Plain torch, no graphzero, no DeepSpeed: the per-step collective pattern of the compiled ZeRO-3
-GAN backward on gloo, through the functional collectives (``torch.ops._c10d_functional``) that
-inductor's code calls: reduce-scatters lowered to ``all_to_all_single`` with one-sided split sizes,
-two in flight at once, each waited with ``wait_tensor`` later, while the main thread allocates.
+"""Plain torch, no graphzero, no DeepSpeed: the per-step collective sequence of the compiled ZeRO-3
+GAN step on gloo, through the functional collectives (``torch.ops._c10d_functional``) that
+inductor's code calls: the forward's all-gathers (two in flight), the rank agreement's blocking
+all-gather, the backward's reduce-scatters lowered to ``all_to_all_single`` with one-sided split
+sizes (two in flight, each waited with ``wait_tensor`` later, while the main thread allocates), and
+the folded norms' asynchronous all-reduces, waited in the next step (``--backward-only``: the
+reduce-scatters alone).
 
 Run: ``bash debug/functional_alltoall_soak.sh [iterations]`` (two ranks on this machine). A crash
 here (glibc "unaligned tcache chunk", SIGSEGV) is torch's or gloo's, not graphzero's.
 """
-import os
 import sys
 import time
 
@@ -16,13 +18,22 @@ import torch.distributed as dist
 c10d = torch.ops._c10d_functional
 
 
-def main(iterations: int) -> None:
+def main(iterations: int, backward_only: bool) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
     sizes = (2113, 1057, 16904 // 4, 33280 // 4, 64, 8)
+    norms: list = []
     start = time.time()
     for it in range(iterations):
+        if not backward_only:
+            for work in norms:   # the previous step's folded norms
+                work.wait()
+            gathered = [c10d.all_gather_into_tensor(torch.randn(n), world, group) for n in sizes[:4]]
+            for g in gathered:
+                c10d.wait_tensor(g).sum()
+            mine, every = torch.full((2,), it, dtype=torch.int64), torch.empty(2 * world, dtype=torch.int64)
+            dist.all_gather_into_tensor(every, mine)   # the rank agreement
         works = []
         for n in sizes:
             src = torch.randn(2 * n)
@@ -36,6 +47,8 @@ def main(iterations: int) -> None:
             del churn
         for w in works:
             c10d.wait_tensor(w).sum()
+        if not backward_only:
+            norms = [dist.all_reduce(torch.ones(1), async_op=True) for _ in range(2)]
         if it % 5000 == 0 and rank == 0:
             print(f"iteration {it}/{iterations}, {time.time() - start:.0f} s", flush=True)
     dist.barrier()
@@ -45,4 +58,5 @@ def main(iterations: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100_000)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(int(args[0]) if args else 100_000, "--backward-only" in sys.argv)
