@@ -21,7 +21,9 @@ the scope is diverged: from then on every graph keeps its gradients locally (no 
 and the end compares which engines each rank reached (`_settle`), then reduces the union of the
 ranks' partial sums once per engine in attach order: the gradient DDP's ``find_unused_parameters``
 gives. A graph that must gather ZeRO-3 parameters in its backward cannot go on alone: it ends the
-scope on every rank with a RankDisagreementError (`abort`).
+scope on every rank with a RankDisagreementError (`abort`). Not handled: one backward over engines
+of different process groups whose members differ; a rank that diverged on one group skips the
+later exchanges on another.
 """
 from __future__ import annotations
 
