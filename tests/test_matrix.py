@@ -445,9 +445,15 @@ def _run_case(case: Case) -> dict:
                     skipped += 1
                     continue
                 raise Mismatch("nograd", f"micro {i} e{k}: step() without a gradient did not raise NoGradientError")
-            if boundary:
-                what = f"micro {i} e{k} (optimizer step {opt_steps[k]})"
-                actual = owned_full_grads(engine_owned[k])
+            # ZeRO-1 with gas > 1: a window's sums that the boundary micro-step did not reach are
+            # reduced by step() (docs/usage.md): its gradient is read where it is complete
+            readable = not (ec.stage == 1 and ec.gas > 1 and not used[k])
+            what = f"micro {i} e{k} (optimizer step {opt_steps[k]})"
+            if boundary and readable:
+                try:
+                    actual = owned_full_grads(engine_owned[k])
+                except ValueError as err:   # DeepSpeed: no gradient to read
+                    raise Mismatch("grad", f"{what}: safe_get_full_grad: {err}") from err
                 if bf16:
                     _checked("grad", assert_rel_l2_close, actual, acc[k], tol=BF16_GRAD_REL_L2, what=what)
                 else:
