@@ -204,7 +204,7 @@ def test_local_accumulate_reduces_the_window_sum_at_the_boundary():
     assert [slot.kind for slot in ctx.runtime_inputs] == [Slot.PARTIAL, Slot.SCALE, Slot.SINK]
     muls = [n for n in targets(gm, torch.ops.aten.mul.Tensor) if n.meta["graphzero"]["pass"] == "fp32_accumulate"]
     assert muls == []
-    assert ("partial", "disc", "reduce_partial") in ctx.collective_plan
+    assert ("partial", "disc", "reduce_partial", ((0, 0), (0, 1), (0, 2))) in ctx.collective_plan
 
 
 # -- ZeRO-3: gradients held for the last graph of a backward (hold_shard_grads) ------------------
@@ -253,7 +253,7 @@ def test_hold_keeps_full_gradients_for_the_last_graph_and_reduces_nothing():
     for h, full in zip(held, fulls):
         torch.testing.assert_close(h, 1 + full)
     assert [o.position for o in ctx.partial_grads[ps]] == [0, 1] and ctx.stats[ps]["held"] == 2
-    assert ("partial", "disc", "keep") in ctx.collective_plan
+    assert ("partial", "disc", "keep", ((0, 0), (0, 1))) in ctx.collective_plan
 
 
 def test_release_reduces_each_gradient_plus_what_was_held():
