@@ -86,7 +86,11 @@ def one_worker_thread_per_gloo_group() -> None:
     class OneThreadGloo(gloo):
         one_worker_thread = True
 
-        def __init__(self, store, rank, size, timeout=None):
+        def __init__(self, store, rank, size, timeout=None, **rest):
+            # torch >= 2.15 also passes enable_reconfigure (off unless asked for)
+            unsupported = {k: v for k, v in rest.items() if v}
+            if unsupported:
+                raise RuntimeError(f"one_worker_thread_per_gloo_group: {unsupported} not supported")
             options = gloo._Options()
             options._devices = [gloo.create_default_device()]
             if timeout is not None:
