@@ -9,6 +9,7 @@ reduce-scatters alone; ``--one-thread``: every gloo process group on one worker 
 Run: ``bash debug/functional_alltoall_soak.sh [iterations]`` (two ranks on this machine). A crash
 here (glibc "unaligned tcache chunk", SIGSEGV) is torch's or gloo's, not graphzero's.
 """
+import pathlib
 import sys
 import time
 
@@ -16,23 +17,6 @@ import torch
 import torch.distributed as dist
 
 c10d = torch.ops._c10d_functional
-
-
-def one_worker_thread_per_gloo_group() -> None:
-    """Build every ProcessGroupGloo with one worker thread: two collectives never run at once."""
-    import torch.distributed.distributed_c10d as dc
-    real = dc.ProcessGroupGloo
-
-    class OneThreadGloo(real):
-        def __init__(self, store, rank, size, timeout=None):
-            o = real._Options()
-            o._devices = [real.create_default_device()]
-            if timeout is not None:
-                o._timeout = timeout
-            o._threads = 1
-            super().__init__(store, rank, size, o)
-
-    dc.ProcessGroupGloo = OneThreadGloo
 
 
 def main(iterations: int, backward_only: bool) -> None:
@@ -76,6 +60,8 @@ def main(iterations: int, backward_only: bool) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if "--one-thread" in sys.argv:
+    if "--one-thread" in sys.argv:   # the rank pool's workaround, shared
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+        from rankpool import one_worker_thread_per_gloo_group
         one_worker_thread_per_gloo_group()
     main(int(args[0]) if args else 100_000, "--backward-only" in sys.argv)
