@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
 
-.PHONY: install demo lint test test-torch test-matrix test-parity test-docs bench clean
+.PHONY: install demo lint test test-full test-torch test-matrix test-parity test-docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test-torch:
 	venv=$$(PYTHON=$(PYTHON) tools/torch_venv.sh $(TORCH)) && \
 	env -u GRAPHZERO_MATRIX DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$$venv/torch_extensions \
 		$$venv/bin/python -m pytest -q $(TORCH_LEG_TESTS)
+
+# Every case of every parametrized test, not only the default suite's fixed sample
+# (tests/suite_sample.py), with the examples compiled by inductor and the full matrix: hours on 2 cores.
+test-full: install lint
+	GRAPHZERO_MATRIX=full $(PY) -m pytest -q tests
 
 # The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed 20-case sample).
 test-matrix: install

@@ -92,6 +92,7 @@ COMMANDS: dict[str, Run] = {
     "make install": Run("make test"),
     "make test-torch TORCH=2.15.0": Run("ci"),
     "make test-torch TORCH=2.14.1": Run("suite"),
+    "make test-full": Run("suite"),
     "make test-matrix": Run("suite"),
     "make test-parity": Run("suite"),
     "make test-docs": Run("suite"),

@@ -63,7 +63,7 @@ from scenario_utils import (
 )
 
 FULL = os.environ.get("GRAPHZERO_MATRIX", "") == "full"
-DEFAULT_CASES, FULL_CASES = 20, 500
+DEFAULT_CASES, FULL_CASES = 12, 500
 CASES = int(os.environ.get("GRAPHZERO_MATRIX_CASES", "0")) or (FULL_CASES if FULL else DEFAULT_CASES)
 STAGES = (1, 2, 3)
 # ZeRO-3: stage3_param_persistence_threshold (0: every parameter partitioned; 100: the biases and

@@ -15,7 +15,8 @@ changes shapes would), so a leak per compile shows. After the warm-up (``--warmu
 healthy run shows no RSS growth beyond noise and no compiles but the forced ones. At the end one
 more backward is checked against a single-process reference from the engines' current weights
 (every parameter's reduced gradient within 1e-5 of that tensor's largest element). Rank 0 prints a table and writes
-JSON; the exit code is 1 when a check fails (``--max-growth-mib``, compiles, the gradient check).
+JSON; the exit code is 1 when a check fails (``--max-growth-pct``, ``--max-growth-mib``, compiles, the
+gradient check).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "loss, actor and critic trained, reference and reward frozen ZeRO-3 engines inside the step")
     p.add_argument("--width", type=int, default=64, help="hidden width of the models")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under a launcher)")
+    p.add_argument("--max-growth-pct", type=float, default=5.0,
+                   help="fail when RSS after warm-up grows by more than this percentage (default 5)")
     p.add_argument("--max-growth-mib", type=float, default=16.0,
                    help="fail when RSS grows more than this after warm-up (default 16 MiB)")
     p.add_argument("--json", help="write the samples and verdict here (rank 0)")
@@ -166,15 +169,18 @@ def _verdict(args: argparse.Namespace, per_rank: list[tuple[list[dict], str | No
     for rank, (samples, inexact) in enumerate(per_rank):
         after = [s for s in samples if s["step"] >= args.warmup] or samples[-1:]
         growth = after[-1]["rss_mib"] - after[0]["rss_mib"]
+        growth_pct = 100.0 * growth / after[0]["rss_mib"]
         late_compiles = after[-1]["graphs"] - after[0]["graphs"]
-        ranks.append({"rank": rank, "rss_growth_mib": growth, "compiles_after_warmup": late_compiles,
+        ranks.append({"rank": rank, "rss_growth_mib": growth, "rss_growth_pct": growth_pct, "compiles_after_warmup": late_compiles,
                       "recompiles": samples[-1]["recompiles"], "graph_breaks": samples[-1]["graph_breaks"],
                       "graphs": samples[-1]["graphs"], "gradients": inexact or "exact", "samples": samples})
-    ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["graphs"] == 1 + forced
+    ok = all(r["rss_growth_mib"] <= args.max_growth_mib and r["rss_growth_pct"] <= args.max_growth_pct
+             and r["graphs"] == 1 + forced
              and r["recompiles"] == 0 and r["gradients"] == "exact" for r in ranks)
     return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
             "workload": args.workload,
             "width": args.width, "recompile_every": args.recompile_every, "max_growth_mib": args.max_growth_mib,
+            "max_growth_pct": args.max_growth_pct,
             "ok": ok, "ranks": ranks}
 
 
@@ -186,7 +192,8 @@ def format_table(result: dict) -> str:
             rows.append([r["rank"], s["step"], f"{s['rss_mib']:.1f}", s["graphs"], s["recompiles"],
                          s["graph_breaks"], f"{s['seconds']:.1f}"])
     table = tabulate(rows, headers=["rank", "step", "RSS MiB", "graphs", "recompiles", "breaks", "seconds"])
-    summary = "; ".join(f"rank {r['rank']}: RSS growth after warm-up {r['rss_growth_mib']:+.1f} MiB, "
+    summary = "; ".join(f"rank {r['rank']}: RSS growth after warm-up {r['rss_growth_mib']:+.1f} MiB "
+                        f"({r['rss_growth_pct']:+.1f}%), "
                         f"{r['graphs']} graphs compiled ({r['compiles_after_warmup']} after warm-up), "
                         f"{r['recompiles']} recompiles, final gradients {r['gradients']}"
                         for r in result["ranks"])
