@@ -9,6 +9,9 @@ steps and compares, at every boundary, each parameter's gradient as DeepSpeed re
 Tolerances: fp32 gradients rtol 1e-4 / atol 1e-6, norms rtol 1e-4, parameters rtol 1e-4 / atol 1e-5
 (the reduction order differs); bf16 (the compiled forward rounds differently from eager's) 3%
 relative L2 on gradients, 5% on norms, 2e-2 on parameters, as in test_zero3.py.
+
+Default suite: ``requires_grad`` switching at ZeRO-1 fp32, ZeRO-2 bf16 and ZeRO-3 in both dtypes
+(tests/suite_sample.py); ``GRAPHZERO_MATRIX=full`` every stage in both.
 """
 from __future__ import annotations
 

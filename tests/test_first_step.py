@@ -5,6 +5,8 @@ Dynamo's graph) from a list comprehension (a frame of its own), a loop, a helper
 method of another module. graphzero attaches them before Dynamo traces the step (early_attach.py),
 so the first call traces one graph without DeepSpeed's hooks; gradients are checked on every step,
 the first included, against a single-process reference, and against ``graphzero.attach`` first.
+Default suite: every call shape at ZeRO-2 and the comprehension at ZeRO-1 and 3
+(tests/suite_sample.py); ``GRAPHZERO_MATRIX=full`` every shape at every stage.
 """
 from __future__ import annotations
 
