@@ -18,11 +18,8 @@ ONLY_FULL = pytest.mark.skip(reason="outside the default sample: GRAPHZERO_MATRI
 def sample(cases: Iterable, default: Iterable) -> list:
     """``cases`` as pytest parameters; those not in ``default`` skip unless GRAPHZERO_MATRIX=full.
     A tuple case fills several arguments (``parametrize("stage,gas", sample(...))``)."""
-    default = list(default)
-    params = []
-    for case in cases:
-        values = case if isinstance(case, tuple) else (case,)
-        params.append(pytest.param(*values, marks=[] if FULL or case in default else [ONLY_FULL]))
-    unknown = [c for c in default if c not in [p.values if len(p.values) > 1 else p.values[0] for p in params]]
+    cases, default = list(cases), list(default)
+    unknown = [c for c in default if c not in cases]
     assert not unknown, f"default sample names cases that do not exist: {unknown}"
-    return params
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                         marks=[] if FULL or case in default else [ONLY_FULL]) for case in cases]

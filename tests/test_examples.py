@@ -25,12 +25,15 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-from suite_sample import FULL
+from suite_sample import FULL, sample
 from test_accelerate import fresh_accelerate
 
 from scenario_utils import assert_rel_l2_close, full_grads, full_params, rank_world
 
 LR_BOUND = 1e-3 * 3  # the examples' learning rate x steps: how far Adam can move any parameter
+# the default sample's diffusers and PPO cases with the eager inner compiler (distill[zero3] keeps
+# inductor on a frozen ZeRO-3 engine); the full run compiles every case with inductor
+SAMPLE_OPTIONS = None if FULL else {"inner": "eager"}
 # a UNet + text encoder compile on 2 ranks: minutes on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(1500)
 
@@ -116,16 +119,12 @@ DIFFUSERS = {
     "bf16-zero2+zero1": (2, 1, True),
     "bf16-zero3": (3, 3, True),
 }
-DEFAULT_DIFFUSERS = ["zero2+zero1"]
 
 
-@pytest.mark.parametrize("case", [c if FULL or c in DEFAULT_DIFFUSERS else
-                                  pytest.param(c, marks=pytest.mark.skip("GRAPHZERO_MATRIX=full"))
-                                  for c in DIFFUSERS])
+@pytest.mark.parametrize("case", sample(DIFFUSERS, default=["zero2+zero1"]))
 def test_diffusers_text_encoder(ranks, case):
     unet_stage, text_stage, bf16 = DIFFUSERS[case]
-    options = None if FULL else {"inner": "eager"}
-    results = ranks.run(diffusers_scenario, unet_stage, text_stage, bf16, 2, 3, options, timeout=900)
+    results = ranks.run(diffusers_scenario, unet_stage, text_stage, bf16, 2, 3, SAMPLE_OPTIONS, timeout=900)
     r0 = results[0]
     assert r0["history"] == results[1]["history"], "ranks disagree on the loss or the norm"
     norms = r0["history"]["clip_grad_norm"]
@@ -188,23 +187,12 @@ def full_params_trained(eng) -> list[torch.Tensor]:
 
 
 PPO = {"zero2": (2, False), "zero2-lora": (2, True), "zero3": (3, False), "zero3-lora": (3, True)}
-DEFAULT_PPO = ["zero2"]
 
 
-def ppo_cases() -> list:
-    cases = []
-    for case in PPO:
-        marks = [] if FULL or case in DEFAULT_PPO else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]
-        cases.append(pytest.param(case, marks=marks))
-    return cases
-
-
-@pytest.mark.parametrize("case", ppo_cases())
+@pytest.mark.parametrize("case", sample(PPO, default=["zero2"]))
 def test_rlhf_ppo(ranks, case):
     stage, lora = PPO[case]
-    # the default sample with the eager inner compiler (distill[zero3] keeps inductor on a frozen
-    # ZeRO-3 engine); the full run compiles every case with inductor
-    results = ranks.run(ppo_scenario, stage, lora, 3, None if FULL else {"inner": "eager"}, timeout=900)
+    results = ranks.run(ppo_scenario, stage, lora, 3, SAMPLE_OPTIONS, timeout=900)
     assert results[0]["checked"] == [0, 1, 2]
     assert results[0]["history"]["loss"] == results[1]["history"]["loss"]
 
@@ -254,11 +242,9 @@ def distill_scenario(stage: int, lora: bool, steps: int, offload: bool = False, 
 
 DISTILL = {"zero3": (3, False, False, False), "zero2": (2, False, False, False), "zero3-lora": (3, True, False, False),
            "zero2-offloaded-teacher": (2, False, True, False), "zero3-accelerate": (3, False, False, True)}
-DEFAULT_DISTILL = ["zero3", "zero3-accelerate"]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if FULL or c in DEFAULT_DISTILL
-                                               else [pytest.mark.skip("GRAPHZERO_MATRIX=full")]) for c in DISTILL])
+@pytest.mark.parametrize("case", sample(DISTILL, default=["zero3", "zero3-accelerate"]))
 def test_distill(ranks, case):
     stage, lora, offload, accelerate = DISTILL[case]
     results = ranks.run(distill_scenario, stage, lora, 3, offload, accelerate, timeout=900)

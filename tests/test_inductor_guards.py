@@ -4,12 +4,12 @@ GRAPHZERO_MATRIX=full: two inductor compiles of the reduced UNet repro, minutes 
 switch makes the miscompiled backward exact while the default is wrong on this torch."""
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
 import pytest
 import torch
+from suite_sample import FULL
 
 from graphzero.inductor_guards import backward_patches
 
@@ -29,7 +29,7 @@ def test_every_switch_exists_in_this_torch():
         assert hasattr(config, key), key
 
 
-@pytest.mark.skipif(os.environ.get("GRAPHZERO_MATRIX") != "full", reason="GRAPHZERO_MATRIX=full (slow compiles)")
+@pytest.mark.skipif(not FULL, reason="GRAPHZERO_MATRIX=full (slow compiles)")
 def test_guard_fixes_the_reduced_unet_repro():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
     import repro_unet_miscompile as repro

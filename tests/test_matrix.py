@@ -47,6 +47,7 @@ import torch
 from hypothesis import HealthCheck, example, given, note, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
+from suite_sample import FULL
 from torch import nn
 
 from rankpool import RankPool, ScenarioFailed
@@ -62,7 +63,6 @@ from scenario_utils import (
     rank_world,
 )
 
-FULL = os.environ.get("GRAPHZERO_MATRIX", "") == "full"
 DEFAULT_CASES, FULL_CASES = 12, 500
 CASES = int(os.environ.get("GRAPHZERO_MATRIX_CASES", "0")) or (FULL_CASES if FULL else DEFAULT_CASES)
 STAGES = (1, 2, 3)
