@@ -11,7 +11,9 @@ and reward models frozen ZeRO-3 engines called inside the step), with every engi
 graphzero, samples its resident memory every ``--sample-every`` steps and reads
 Dynamo's counters (graphs compiled, graph breaks, recompiles). With ``--recompile-every N`` the
 step is compiled anew every N steps (``torch._dynamo.reset()``, as a notebook or a long job that
-changes shapes would), so a leak per compile shows. After the warm-up (``--warmup`` steps) a
+changes shapes would), so a leak per compile shows; ``--release-torch-caches`` then also empties
+what torch itself keeps of each compile (``graphzero_tools.compile_leftovers``), so that what is
+left is graphzero's. After the warm-up (``--warmup`` steps) a
 healthy run shows no RSS growth beyond noise and no compiles but the forced ones. At the end one
 more backward is checked against a single-process reference from the engines' current weights
 (every parameter's reduced gradient within 1e-5 of that tensor's largest element). Rank 0 prints a table and writes
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of both engines")
     p.add_argument("--recompile-every", type=int, default=0,
                    help="compile the step anew every N steps (torch._dynamo.reset()); 0: never")
+    p.add_argument("--release-torch-caches", action="store_true",
+                   help="after each forced reset, empty torch's own per-compile caches (compile_leftovers)")
     p.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--no-overlap", action="store_true",
                    help="option overlap=False: each collective waited for right after it is issued")
@@ -94,6 +98,7 @@ def run_rank(args: argparse.Namespace) -> dict | None:
 
     from .bench_metrics import rss_bytes
     from .bench_models import build_workload, resolve_size
+    from .compile_leftovers import release_compile_leftovers
 
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank = dist.get_rank()
@@ -113,6 +118,8 @@ def run_rank(args: argparse.Namespace) -> dict | None:
     for t in range(1, args.steps + 1):
         if args.recompile_every and t > 1 and (t - 1) % args.recompile_every == 0:
             torch._dynamo.reset()
+            if args.release_torch_caches:
+                release_compile_leftovers()
         step(engines, *work.make_batch(gen)).backward()
         for eng in trained:
             eng.step()
@@ -178,7 +185,8 @@ def _verdict(args: argparse.Namespace, per_rank: list[tuple[list[dict], str | No
              and r["graphs"] == 1 + forced
              and r["recompiles"] == 0 and r["gradients"] == "exact" for r in ranks)
     return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
-            "workload": args.workload,
+            "workload": args.workload, "release_torch_caches": args.release_torch_caches,
+            "flight_recorder_entries": os.environ.get("TORCH_FR_BUFFER_SIZE", "default"),
             "width": args.width, "recompile_every": args.recompile_every, "max_growth_mib": args.max_growth_mib,
             "max_growth_pct": args.max_growth_pct,
             "ok": ok, "ranks": ranks}
