@@ -9,7 +9,6 @@ reduce-scatters alone; ``--one-thread``: every gloo process group on one worker 
 Run: ``bash debug/functional_alltoall_soak.sh [iterations]`` (two ranks on this machine). A crash
 here (glibc "unaligned tcache chunk", SIGSEGV) is torch's or gloo's, not graphzero's.
 """
-import pathlib
 import sys
 import time
 
@@ -61,7 +60,6 @@ def main(iterations: int, backward_only: bool) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--one-thread" in sys.argv:   # the rank pool's workaround, shared
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-        from rankpool import one_worker_thread_per_gloo_group
+        from graphzero_tools.gloo_threads import one_worker_thread_per_gloo_group
         one_worker_thread_per_gloo_group()
     main(int(args[0]) if args else 100_000, "--backward-only" in sys.argv)

@@ -47,6 +47,8 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, fa
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
+
+    from graphzero_tools.gloo_threads import one_worker_thread_per_gloo_group
     one_worker_thread_per_gloo_group()
     # The rendezvous gets its own, generous timeout: a pool with a short process-group timeout (one
     # that waits for a failed peer) must not fail because one rank imported DeepSpeed more slowly.
@@ -73,32 +75,6 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, fa
             # that fails on purpose can leave partial sums pending on one rank only: they are its
             # engines' (runtime/state.py), and no later scenario's backward reaches them.
     dist.destroy_process_group()
-
-
-def one_worker_thread_per_gloo_group() -> None:
-    """Build every ProcessGroupGloo of this process with one worker thread (torch offers no option
-    for it: ``init_process_group`` and ``new_group`` build gloo groups with two)."""
-    import torch.distributed.distributed_c10d as c10d
-    gloo = c10d.ProcessGroupGloo
-    if getattr(gloo, "one_worker_thread", False):
-        return
-
-    class OneThreadGloo(gloo):
-        one_worker_thread = True
-
-        def __init__(self, store, rank, size, timeout=None, **rest):
-            # torch >= 2.15 also passes enable_reconfigure (off unless asked for)
-            unsupported = {k: v for k, v in rest.items() if v}
-            if unsupported:
-                raise RuntimeError(f"one_worker_thread_per_gloo_group: {unsupported} not supported")
-            options = gloo._Options()
-            options._devices = [gloo.create_default_device()]
-            if timeout is not None:
-                options._timeout = timeout
-            options._threads = 1
-            super().__init__(store, rank, size, options)
-
-    c10d.ProcessGroupGloo = OneThreadGloo
 
 
 class ScenarioFailed(AssertionError):

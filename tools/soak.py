@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the step anew every N steps (torch._dynamo.reset()); 0: never")
     p.add_argument("--release-torch-caches", action="store_true",
                    help="after each forced reset, empty torch's own per-compile caches (compile_leftovers)")
+    p.add_argument("--one-gloo-thread", action="store_true",
+                   help="every gloo group with one worker thread (graphzero_tools.gloo_threads: the "
+                        "workaround for torch's gloo heap corruption); default: torch's two")
     p.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--no-overlap", action="store_true",
                    help="option overlap=False: each collective waited for right after it is issued")
@@ -91,6 +94,9 @@ def _counters() -> dict[str, int]:
 
 def run_rank(args: argparse.Namespace) -> dict | None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.one_gloo_thread:
+        from .gloo_threads import one_worker_thread_per_gloo_group
+        one_worker_thread_per_gloo_group()
     import deepspeed
     import torch.distributed as dist
 
@@ -186,6 +192,7 @@ def _verdict(args: argparse.Namespace, per_rank: list[tuple[list[dict], str | No
              and r["recompiles"] == 0 and r["gradients"] == "exact" for r in ranks)
     return {"steps": args.steps, "warmup": args.warmup, "stage": args.stage, "inner": args.inner,
             "workload": args.workload, "release_torch_caches": args.release_torch_caches,
+            "one_gloo_thread": args.one_gloo_thread,
             "flight_recorder_entries": os.environ.get("TORCH_FR_BUFFER_SIZE", "default"),
             "width": args.width, "recompile_every": args.recompile_every, "max_growth_mib": args.max_growth_mib,
             "max_growth_pct": args.max_growth_pct,
