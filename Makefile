@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DUMP ?= demo_dump
+# DeepSpeed's JIT-built ops per venv (tests/conftest.py says why)
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install demo lint test test-full test-torch test-matrix test-parity test-docs bench clean
 

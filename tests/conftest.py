@@ -1,5 +1,6 @@
 import os
 import pathlib
+import sys
 import time
 
 # Inductor's caches per checkout, not the machine-wide /tmp/torchinductor_<user>: a cache hit
@@ -8,6 +9,11 @@ import time
 # clone now compiles every graph of the suite at least once. Spawned ranks inherit it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "torchinductor"))
+
+# DeepSpeed's JIT-built ops per venv, not the machine-wide ~/.cache/torch_extensions: two venvs
+# (another torch, a fresh clone) sharing it rebuild each other's ops, and a build killed midway
+# leaves a lock that hangs every later DeepSpeed init of every venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(pathlib.Path(sys.prefix) / "torch_extensions"))
 
 import pytest
 
