@@ -36,7 +36,7 @@ test: install lint
 TORCH_LEG_TESTS ?= tests/test_inductor_overlap.py tests/test_registration.py tests/test_passes.py tests/test_multi_engine.py \
 	tests/test_first_step.py tests/test_zero3.py tests/test_lean_step.py tests/test_autograd_semantics.py \
 	tests/test_matrix.py tests/test_accelerate.py tests/test_layout.py tests/test_collectives.py \
-	tests/test_zero3_once_per_step.py
+	tests/test_zero3_once_per_step.py tests/test_compile_leftovers.py
 
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0" >&2; exit 2; }
