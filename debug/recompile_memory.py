@@ -17,7 +17,7 @@ holder). ``--drop-graphzero-state`` clears what each compiled backward keeps to 
 later (the pristine graph, the tracing context), to measure graphzero's share. ``--malloc-trim``
 also prints RSS after glibc's ``malloc_trim(0)`` each cycle: growth that the trim gives back is
 free memory the allocator kept, not objects kept alive. ``--release-torch-caches`` calls
-``graphzero_tools.compile_leftovers.release_compile_leftovers`` after each reset (ShapeEnv's method
+``graphzero_tools.compile_leftovers.release_compile_leftovers`` as each reset (ShapeEnv's method
 caches, FX's generated-source cache and linecache, Dynamo's compilation metrics).
 ``--trace-allocations`` starts ``tracemalloc`` after the third cycle and prints the source lines
 whose live Python allocations grew most by the end, with the gc-tracked object types that grew.
@@ -69,9 +69,10 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     rss, trimmed = [], []
     for cycle in range(args.cycles):
         if cycle:
-            torch._dynamo.reset()
             if args.release_torch_caches:
-                release_compile_leftovers()
+                release_compile_leftovers()   # resets Dynamo too
+            else:
+                torch._dynamo.reset()
         for _ in range(args.steps):
             step(engines, *work.make_batch(gen)).backward()
             for opt in optimizers:

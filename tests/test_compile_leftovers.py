@@ -55,7 +55,6 @@ def leftovers() -> dict[str, int]:
 
 
 def test_release_empties_what_each_compile_left() -> None:
-    torch._dynamo.reset()
     release_compile_leftovers()
     x = torch.randn(8, requires_grad=True)
     for _ in range(COMPILES):
@@ -66,5 +65,19 @@ def test_release_empties_what_each_compile_left() -> None:
     assert left["guard finalizers"] >= COMPILES and left["FX sources"] >= COMPILES, left
     assert left["ShapeEnv cache entries"] >= COMPILES, left
 
-    release_compile_leftovers()
+    release_compile_leftovers()   # resets Dynamo, then empties
     assert leftovers() == {"guard finalizers": 0, "FX sources": 0, "ShapeEnv cache entries": 0}
+
+
+def test_release_resets_dynamo_first() -> None:
+    """No compiled frame outlives the release with its guard finalizer detached: the next call
+    compiles again (and guards again) instead of running an entry that could match a recycled id."""
+    release_compile_leftovers()
+    step = torch.compile(scaled, backend="eager")
+    x = torch.randn(8)
+    step(x)
+    assert guard_finalizers() >= 1
+    release_compile_leftovers()
+    assert guard_finalizers() == 0
+    step(x)
+    assert guard_finalizers() >= 1, "the call after the release ran a cache entry left from before it"

@@ -21,7 +21,7 @@ new graph every 500 steps"); torch 2.13 keeps, per forced compile:
   guarded on many DeepSpeed objects.
 - in Dynamo's compilation metrics, a record per compile with the inductor config as JSON; bounded.
 
-``graphzero-soak --release-torch-caches`` calls :func:`release_compile_leftovers` after each forced
+``graphzero-soak --release-torch-caches`` calls :func:`release_compile_leftovers` instead of a bare
 reset, so that what is left of a compile is graphzero's. These are torch internals: a measuring
 tool's business, not the backend's.
 """
@@ -33,12 +33,16 @@ import weakref
 
 
 def release_compile_leftovers() -> None:
-    """Empty the caches above. Call it after ``torch._dynamo.reset()``, never during a compile."""
+    """``torch._dynamo.reset()``, then empty the caches above. The reset comes first because a guard
+    finalizer detached from a live cache entry would let that entry match a new object that reuses
+    a dead one's id. Never call it during a compile."""
+    import torch._dynamo
     import torch._dynamo.utils
     import torch.fx.graph_module
     from torch._dynamo.guards import CheckFunctionManager
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    torch._dynamo.reset()
     for attr in vars(ShapeEnv).values():
         if hasattr(attr, "cache_clear"):
             attr.cache_clear()

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompile-every", type=int, default=0,
                    help="compile the step anew every N steps (torch._dynamo.reset()); 0: never")
     p.add_argument("--release-torch-caches", action="store_true",
-                   help="after each forced reset, empty torch's own per-compile caches (compile_leftovers)")
+                   help="with each forced reset, empty torch's own per-compile caches (compile_leftovers)")
     p.add_argument("--one-gloo-thread", action="store_true",
                    help="every gloo group with one worker thread (graphzero_tools.gloo_threads: the "
                         "workaround for torch's gloo heap corruption); default: torch's two")
@@ -123,9 +123,10 @@ def run_rank(args: argparse.Namespace) -> dict | None:
     samples, start = [], time.perf_counter()
     for t in range(1, args.steps + 1):
         if args.recompile_every and t > 1 and (t - 1) % args.recompile_every == 0:
-            torch._dynamo.reset()
             if args.release_torch_caches:
-                release_compile_leftovers()
+                release_compile_leftovers()   # resets Dynamo too
+            else:
+                torch._dynamo.reset()
         step(engines, *work.make_batch(gen)).backward()
         for eng in trained:
             eng.step()
