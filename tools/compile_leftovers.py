@@ -39,7 +39,6 @@ def release_compile_leftovers() -> None:
     import torch._dynamo
     import torch._dynamo.utils
     import torch.fx.graph_module
-    from torch._dynamo.guards import CheckFunctionManager
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     torch._dynamo.reset()
@@ -51,8 +50,14 @@ def release_compile_leftovers() -> None:
         linecache.cache.pop(key, None)
     sources.clear()
     torch._dynamo.utils.clear_compilation_metrics()
-    for finalizer, info in list(weakref.finalize._registry.items()):
-        callback = info.func
-        if isinstance(callback, functools.partial) and getattr(callback.func, "__func__", None) is \
-                CheckFunctionManager.invalidate:
-            finalizer.detach()
+    for finalizer in guard_finalizers():
+        finalizer.detach()
+
+
+def guard_finalizers() -> list[weakref.finalize]:
+    """The finalizers Dynamo's guards registered on objects matched by identity, whether their cache entries are live or not."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    return [finalizer for finalizer, info in list(weakref.finalize._registry.items())
+            if isinstance(info.func, functools.partial)
+            and getattr(info.func.func, "__func__", None) is CheckFunctionManager.invalidate]
