@@ -11,5 +11,5 @@ run() {  # name port entry...
   done
 }
 run base $((29800 + round)) -m graphzero_tools.soak
-run one $((29900 + round)) debug/gloo_one_thread_soak.py
+run one $((29900 + round)) -m graphzero_tools.soak --one-gloo-thread
 wait
