@@ -27,7 +27,7 @@ lint: install
 	$(VENV)/bin/ruff check graphzero passes tools tests examples
 
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The second CI leg: the suite's torch-sensitive core on another supported torch, e.g.
 # `make test-torch TORCH=2.15.0`, in a venv cached outside the clone (tools/torch_venv.sh: keyed by
