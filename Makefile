@@ -49,7 +49,7 @@ test-torch:
 test-full: install lint
 	GRAPHZERO_MATRIX=full $(PY) -m pytest -q tests
 
-# The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed sample: 12 drawn cases and 2 explicit ones).
+# The full randomized config matrix (tests/test_matrix.py; `make test` runs its fixed sample: 12 drawn cases and 3 explicit ones).
 test-matrix: install
 	GRAPHZERO_MATRIX=full $(PY) -m pytest -q tests/test_matrix.py
 

@@ -178,13 +178,15 @@ class BackwardTransform:
         """Transform, compile and wrap the backward (``compile_fn(gm, inputs, ctx)`` runs the inner
         compiler): one variant per mode of its engines (runtime/backward.py), each compiled when
         first needed; the plain one now, unless a ZeRO-1 window makes it unlikely to run."""
-        def compile_variant(gm: fx.GraphModule, modes: Modes | None = None, dump: GraphDump | None = None):
+        def compile_variant(gm: fx.GraphModule, modes: Modes | None = None, dump: GraphDump | None = None,
+                            variant: bool = True):
             gm, ctx = self.transform(gm, example_inputs, modes, dump)
-            return self.wrap(compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx), ctx)
+            compiled = compile_fn(gm, list(example_inputs) + self.runtime_example_inputs(gm, ctx), ctx)
+            return self.wrap(compiled, ctx, variant)
 
         positions = {self.states[ps]: pos for ps, pos in self.positions().items()}
         if not positions:
-            return compile_variant(gm)
+            return compile_variant(gm, variant=False)
         pristine = copy.deepcopy(gm)
         deferred = any(state.defers_reduction() for state in positions)
         compiled = {} if deferred else {(Mode.REDUCE,) * len(positions): compile_variant(gm)}
@@ -196,8 +198,10 @@ class BackwardTransform:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         return [ph.meta["val"] for ph in placeholders[len(placeholders) - len(ctx.runtime_inputs):]]
 
-    def wrap(self, compiled, ctx: PassContext):
-        if not ctx.runtime_inputs:
+    def wrap(self, compiled, ctx: PassContext, variant: bool = False):
+        # A variant of a Backward is one even when it has nothing of its engines' to reduce (their
+        # parameters frozen in this micro-step, or reduced outside the graph by their tensor hooks)
+        if not ctx.runtime_inputs and not variant:
             return compiled
         return GraphBackward(compiled, ctx, self.states, self.graph_id, self.opts.fault_timeout_s)
 

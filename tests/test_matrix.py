@@ -584,6 +584,12 @@ def _log(line: str) -> None:
 @example(case=Case(world=2, dtype="bf16", inner="eager", pattern="twice", frozen=False, unowned=False, engines=(
     EngineCase(1, 1, 1.0, None, "ckpt", 8, False), EngineCase(1, 4, 1.0, None, "ckpt", 8, False),
     EngineCase(1, 2, 1.0, None, "plain", 8, False), EngineCase(1, 3, 1.0, None, "ckpt", 13, False))))
+# ... and graphzero's own: a ZeRO-1 engine whose last layer is frozen in a micro-step, its first
+# bias in no optimizer group and its first weight hooked, so that micro-step's backward variant had
+# nothing to reduce in the graph and was not wrapped as one (AttributeError; test_param_hooks.py).
+@example(case=Case(world=2, dtype="fp32", inner="eager", pattern="break_on_some_ranks", frozen=False, unowned=False,
+                   engines=(EngineCase(1, 1, 1.0, None, "plain", 8, False, hooked=True, switching=True,
+                                       no_group=True),)))
 def test_matrix(pools, case: Case) -> None:
     note(case.short())
     print(f"matrix case: {case.short()}", flush=True)
