@@ -5,7 +5,8 @@ The usual case: after adding tokens to a vocabulary, train only the new embeddin
 local gradient before reducing it; graphzero must too, at every stage. Checked against a
 single-process reference that registers the same hook (gradients, norms and parameters over 3
 steps) and against a DeepSpeed-eager twin. Default suite: ZeRO-1 gas 2, ZeRO-2 gas 1, ZeRO-3 gas 2
-(tests/suite_sample.py); ``GRAPHZERO_MATRIX=full`` each stage at gas 1 and 2.
+(tests/suite_sample.py); ``GRAPHZERO_MATRIX=full`` each stage at gas 1 and 2. Also: a micro-step in
+which the hooked parameter is the only trainable one the graph reaches (ZeRO-1 and 3 by default).
 """
 from __future__ import annotations
 
