@@ -65,18 +65,23 @@ def _loss(models, tokens):
     return models["m"](tokens)
 
 
-def masked_embedding_scenario(stage: int, gas: int, late_hook: bool) -> None:
-    rank, world = rank_world()
+def _three_sides(stage: int, gas: int):
+    """The reference, a DeepSpeed-eager twin, the graphzero engine and its compiled step, from one seed."""
     torch.manual_seed(7)
     model = TokenModel()
     ref = Reference({"m": model})
-    mask = _mask()
     cfg = ds_config(stage, gas=gas)
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     twin = engine(copy.deepcopy(model), cfg)
     gz = engine(model, cfg)
-    step = torch.compile(lambda tokens: gz(tokens), backend=graphzero.backend(model=gz))
+    return ref, twin, gz, torch.compile(lambda tokens: gz(tokens), backend=graphzero.backend(model=gz))
+
+
+def masked_embedding_scenario(stage: int, gas: int, late_hook: bool) -> None:
+    rank, world = rank_world()
+    ref, twin, gz, step = _three_sides(stage, gas)
+    mask = _mask()
 
     def hook_all() -> None:
         for m in (ref.models["m"], twin.module, gz.module):
@@ -138,16 +143,8 @@ def hook_only_micro_step_scenario(stage: int, gas: int = 2) -> None:
     backward variant has nothing of the engine's to reduce in the graph (the 500-case matrix found it
     raising AttributeError at ZeRO-1: a variant compiled without run-time inputs)."""
     rank, world = rank_world()
-    torch.manual_seed(7)
-    model = TokenModel()
-    ref = Reference({"m": model})
+    ref, twin, gz, step = _three_sides(stage, gas)
     mask = _mask()
-    cfg = ds_config(stage, gas=gas)
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    twin = engine(copy.deepcopy(model), cfg)
-    gz = engine(model, cfg)
-    step = torch.compile(lambda tokens: gz(tokens), backend=graphzero.backend(model=gz))
     models = (ref.models["m"], twin.module, gz.module)
     for m in models:
         m.emb.weight.register_hook(lambda g: g * mask)
