@@ -198,7 +198,7 @@ class BackwardTransform:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         return [ph.meta["val"] for ph in placeholders[len(placeholders) - len(ctx.runtime_inputs):]]
 
-    def wrap(self, compiled, ctx: PassContext, variant: bool = False):
+    def wrap(self, compiled, ctx: PassContext, variant: bool):
         # A variant of a Backward is one even when it has nothing of its engines' to reduce (their
         # parameters frozen in this micro-step, or reduced outside the graph by their tensor hooks)
         if not ctx.runtime_inputs and not variant:
