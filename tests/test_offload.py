@@ -25,6 +25,7 @@ from test_deepspeed_parity_zero import (
 from torch import nn
 
 import graphzero
+from graphzero.deepspeed_adapter import binding_of
 from scenario_utils import data, rank_world
 
 
@@ -57,13 +58,25 @@ def train_twins(stage: int, dtype: str, cfg: dict, steps: int = 3) -> dict:
             step(gz, x).backward()
             if m == gas - 1:
                 assert_same(reported_grads(gz), reported_grads(ds), dtype, f"step {t} gradients")
+                if stage < 3:
+                    assert _reduces_into_cpu_grad(gz), f"step {t}: the shards are not the CPU optimizer's fp32 gradient"
             ds.step()
             gz.step()
         assert_same_norm(gz, ds, dtype, f"step {t}")
     assert_same_params(gz, ds, dtype, "after training")
     offloaded = (gz.zero_offload_optimizer() is not None, gz.zero_offload_param() is not None)
+    # one boundary copy per optimizer step: the one at step() is skipped when nothing wrote since the backward's
+    copies = binding_of(gz).offload_copy.made
+    assert copies == steps, f"{copies} boundary copies in {steps} steps"
     graphzero.detach(gz)
     return {"norm": float(gz.get_global_grad_norm()), "offloaded": offloaded}
+
+
+def _reduces_into_cpu_grad(engine) -> bool:
+    """ZeRO-1/2: each group's partition buffer is the CPU optimizer's fp32 gradient (no boundary copy)."""
+    opt = engine.optimizer
+    return all(opt.averaged_gradients[i].flat_partition.data_ptr() == fp32.grad.data_ptr()
+               for i, fp32 in enumerate(opt.single_partition_of_fp32_groups))
 
 
 def offload_scenario(stage: int, dtype: str) -> dict:

@@ -3,8 +3,9 @@
 Layout: per param group, the flat order ``round_robin_bit16_groups[i]`` at
 ``round_robin_bit16_offsets[i]`` of a padded buffer of ``bit16_groups_flat[i].numel()`` elements,
 split into one contiguous partition per data-parallel rank. ``step()`` reads this rank's
-partition from ``averaged_gradients[i]``; with optimizer offload, from the CPU fp32 gradient that
-the boundary copy fills (``_copy_to_offloaded``).
+partition from ``averaged_gradients[i]``; with optimizer offload, from the CPU fp32 gradient, which
+is then the partition buffer itself where dtype and device allow (``_direct_target``: graphzero's
+graphs reduce into it), else filled by the boundary copy (``_copy_to_offloaded``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ class ZeroBinding(DeepSpeedBinding):
             group = opt.averaged_gradients.get(i)
             if group is None or group is not self._installed(i):
                 group = opt._build_compact_grad_partition_buffer(i)
+                target = self._direct_target(i, group.flat_partition)
+                if target is not None:
+                    target.zero_()
+                    group.flat_partition = target
+                    group.move_flat_partition(target.device)   # DeepSpeed re-makes the views on it
                 opt.averaged_gradients[i] = group
                 self._installed_groups[i] = weakref.ref(group)
             out.append(group.flat_partition)
@@ -68,19 +74,39 @@ class ZeroBinding(DeepSpeedBinding):
         if self.engine.optimizer.cpu_offload:
             offload.install(self, ledger, self._copy_to_offloaded)
 
+    def _direct_target(self, i: int, flat_partition: torch.Tensor) -> torch.Tensor | None:
+        """With optimizer offload, the CPU optimizer's fp32 gradient of group ``i`` where it can stand
+        in for the partition buffer (same size, dtype and device, contiguous): DeepSpeed's views of it
+        (``offload_gradient_dict``, which ``safe_get_full_grad`` reads) then see graphzero's writes."""
+        opt = self.engine.optimizer
+        if not opt.cpu_offload:
+            return None
+        grad = opt.single_partition_of_fp32_groups[i].grad
+        if (grad is None or not grad.is_contiguous() or grad.dtype != flat_partition.dtype
+                or grad.device != flat_partition.device or grad.numel() != flat_partition.numel()):
+            return None
+        return grad.view(-1)
+
     @torch.no_grad()
     def _copy_to_offloaded(self) -> None:
         """DeepSpeed's boundary copy under offload (``copy_grads_in_partition``): each parameter's part
-        of this rank's partition (graphzero's sink) into the CPU optimizer's fp32 gradient, and its
-        norm into ``norm_for_param_grads``, which the offloaded step's norm reads."""
+        of this rank's partition (graphzero's sink) into the CPU optimizer's fp32 gradient (nothing to
+        copy where the sink is that gradient), and its norm into ``norm_for_param_grads``, which the
+        offloaded step's norm reads."""
         from deepspeed.runtime.zero.utils import get_norm_dtype
         opt = self.engine.optimizer
         for i, sink in enumerate(self.sinks()):
             partition = self.param_set.rank
             fp32_grad = opt.single_partition_of_fp32_groups[i].grad.view(-1)
+            direct = sink.data_ptr() == fp32_grad.data_ptr()
+            pids, sources = [], []
             for param in opt.params_in_partition[i]:
                 pid = opt.get_param_id(param)
                 _, _, dest, n = opt.grad_position[pid]
                 source = sink.narrow(0, int(opt.grad_partition_insertion_offset[i][partition][pid]), int(n))
-                opt.norm_for_param_grads[pid] = source.to(get_norm_dtype()).norm(2)
-                fp32_grad.narrow(0, dest, n).copy_(source.to(fp32_grad.dtype))
+                pids.append(pid)
+                sources.append(source.to(get_norm_dtype()))
+                if not direct:
+                    fp32_grad.narrow(0, dest, n).copy_(source.to(fp32_grad.dtype))
+            # one kernel for all of the group's norms: per parameter, this was most of the copy's time
+            opt.norm_for_param_grads.update(zip(pids, torch._foreach_norm(sources, 2)))

@@ -95,6 +95,8 @@ class EngineState:
         # training forwards reaching each parameter whose backward has not run (runtime/scope.py)
         self.forwards: Counter[Position] = Counter()
         self.received_gradient = False
+        # bumped by every write to (or drop of) the shard buffers: a copy made of them since is stale
+        self.sink_writes = 0
         # set by detach: graphs compiled while attached must not run any more
         self.detached = False
         self.attach_order = next(_ATTACH_ORDER)
@@ -183,6 +185,7 @@ class EngineState:
         """The shard buffers, for a write: the engine now has a gradient to step on, and a norm
         folded before this write is stale."""
         self.received_gradient = True
+        self.sink_writes += 1
         if self.norm is not None:
             self.norm.wrote()
         if present:
@@ -243,6 +246,7 @@ class EngineState:
     def zero_grad(self) -> None:
         """Drop the shards, partial sums and folded norm, as DeepSpeed eager drops ``.grad``."""
         self.binding.drop_sinks()
+        self.sink_writes += 1
         if self.norm is not None:
             self.norm.forget()
         self.partial.clear()
