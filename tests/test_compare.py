@@ -422,7 +422,7 @@ def test_client_workloads_and_offload_runners(tmp_path):
     rlhf = "graphzero-eager,ds-plain-backward,fsdp2," + ("fsdp2-compiled," if FULL else "") + "ddp"
     checks = (("diffusers", "2", "graphzero-eager,ddp"),
               ("rlhf", "3", rlhf),
-              ("mlp", "3", "graphzero-offload,ds-offload,ddp"))
+              ("mlp", "3", "graphzero-offload,ds-offload,ds-engine-backward-offload,ddp"))
     for model, stage, runners in checks:
         proc = _compare(tmp_path, "--model", model, "--tiny", "--stage", stage, "--steps", "1", "--warmup", "1",
                         "--runners", runners, "--json", f"{model}.json")
@@ -432,7 +432,7 @@ def test_client_workloads_and_offload_runners(tmp_path):
             entry = result["runners"][name]
             assert entry["status"] == "ok", (model, name, entry.get("error"))
             assert entry["params_match"] or name == "ddp", (model, name, entry["max_abs_param_diff"])
-    assert "ds-offload" not in compare.parse_args([]).runners   # opt-in
+    assert not {"ds-offload", "ds-engine-backward-offload"} & set(compare.parse_args([]).runners)   # opt-in
     assert "fsdp2-compiled" not in compare.parse_args([]).runners
 
 

@@ -8,6 +8,7 @@ from .bench_runner import Hyper, RunContext, Runner, RunnerSkipped
 from .bench_runners_deepspeed import (
     DeepCompileRunner,
     DeepSpeedEngineBackward,
+    DeepSpeedEngineBackwardOffload,
     DeepSpeedOffload,
     DeepSpeedPlainBackward,
     GraphZeroDeepSpeedStepRunner,
@@ -19,7 +20,8 @@ from .bench_runners_deepspeed import (
 )
 from .bench_runners_torch import DDPRunner, FSDP2CompiledRunner, FSDP2Runner, TorchCompileFusedRunner
 
-__all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedOffload",
+__all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward", "DeepSpeedEngineBackwardOffload",
+           "DeepSpeedOffload",
            "DeepSpeedPlainBackward", "FSDP2CompiledRunner", "FSDP2Runner", "GraphZeroDeepSpeedStepRunner", "GraphZeroDeferredRunner",
            "GraphZeroEagerRunner", "GraphZeroOffloadRunner", "GraphZeroReduceScatterRunner", "GraphZeroRunner", "Hyper",
            "RunContext", "Runner", "RunnerSkipped", "TorchCompileFusedRunner"]
@@ -27,4 +29,4 @@ __all__ = ["RUNNERS", "DDPRunner", "DeepCompileRunner", "DeepSpeedEngineBackward
 RUNNERS: dict[str, type[Runner]] = {cls.name: cls for cls in (
     GraphZeroRunner, GraphZeroDeferredRunner, GraphZeroDeepSpeedStepRunner, GraphZeroReduceScatterRunner,
     GraphZeroEagerRunner, GraphZeroOffloadRunner, DeepSpeedEngineBackward, DeepSpeedPlainBackward, DeepSpeedOffload,
-    DDPRunner, FSDP2Runner, FSDP2CompiledRunner, TorchCompileFusedRunner, DeepCompileRunner)}
+    DeepSpeedEngineBackwardOffload, DDPRunner, FSDP2Runner, FSDP2CompiledRunner, TorchCompileFusedRunner, DeepCompileRunner)}

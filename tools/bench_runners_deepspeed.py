@@ -235,6 +235,15 @@ class DeepSpeedOffload(DeepSpeedPlainBackward):
     zero_config: ClassVar[dict[str, Any]] = OFFLOAD
 
 
+class DeepSpeedEngineBackwardOffload(DeepSpeedEngineBackward):
+    """``ds-engine-backward`` with ``offload_optimizer: {device: cpu}``: DeepSpeed eager's offload
+    where a plain backward leaves an engine's gradient wrong (the gan). Opt-in."""
+
+    name = "ds-engine-backward-offload"
+    opt_in = True
+    zero_config: ClassVar[dict[str, Any]] = OFFLOAD
+
+
 class GraphZeroOffloadRunner(GraphZeroRunner):
     """graphzero-inductor with ``offload_optimizer: {device: cpu}`` (CPU engines only so far)."""
 
