@@ -108,6 +108,9 @@ class Workload:
     description: str
     # parts called inside the step but never trained (RLHF's reference and reward models)
     frozen: tuple[str, ...] = ()
+    # plain inductor computes this workload's gradients wrong on some torch versions (the UNet:
+    # docs/inductor-unet-miscompile.md); the ideal then compiles its backward as graphzero does
+    inductor_backward_miscompiled: bool = False
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -235,7 +238,8 @@ def _diffusers_workload(size: ModelSize) -> Workload:
 
     return Workload("diffusers", size, {"text_encoder": text_encoder, "unet": unet}, loss_diffusers, batch,
                     f"UNet2DConditionModel (channels {w}/{2 * w}, cross-attention) + CLIPTextModel ({size.depth} "
-                    f"layers, hidden {2 * w}), both trained, loss mse(unet(noisy, t, text(ids)), noise)")
+                    f"layers, hidden {2 * w}), both trained, loss mse(unet(noisy, t, text(ids)), noise)",
+                    inductor_backward_miscompiled=True)
 
 
 class ValueModel(nn.Module):

@@ -187,9 +187,30 @@ class FSDP2CompiledRunner(FSDP2Runner):
         return super()._wrap(module)
 
 
+def _inductor_with_graphzero_guards(gm, example_inputs):
+    """inductor, with the switches graphzero's own backward graphs get against a known inductor
+    miscompile (graphzero/inductor_guards.py: on torch < 2.15 CPU a UNet's gradients come out
+    wrong otherwise), so that the ideal trains what the other runners train."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from graphzero.inductor_guards import backward_patches, device_type_of
+
+    def inner(graph, inputs, **kwargs):
+        patches = backward_patches(device_type=device_type_of(inputs)) if kwargs.get("is_backward") else {}
+        with torch._inductor.config.patch(patches):
+            return compile_fx_inner(graph, inputs, **kwargs)
+
+    # AOTAutograd's cache keys on the config at entry, before the backward's patch: a hit would
+    # bring back an unguarded backward compiled earlier (measured: the same wrong parameters)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
 class TorchCompileFusedRunner(_TorchRunner):
-    """The ideal (no DeepSpeed, no DDP): the loss function under plain ``torch.compile``
-    (inductor), ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` per part; bf16 under
+    """The ideal (no DeepSpeed, no DDP): the loss function under plain ``torch.compile`` (inductor;
+    with graphzero's miscompile guard on the backward where the workload needs it:
+    `_inductor_with_graphzero_guards`),
+    ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` per part; bf16 under
     ``torch.autocast``. With several ranks every trained gradient is averaged by one all-reduce of
     one flat buffer after the last backward (the fewest collectives, none overlapped): a floor on
     compute and on collective count, not on time where another runner hides its collectives."""
@@ -205,7 +226,8 @@ class TorchCompileFusedRunner(_TorchRunner):
         def step(*batch):
             return loss_fn(models, *batch)
 
-        self._compiled = torch.compile(step)
+        guarded = self.ctx.workload.inductor_backward_miscompiled
+        self._compiled = torch.compile(step, backend=_inductor_with_graphzero_guards if guarded else "inductor")
 
     def _wrap(self, module):
         return module
