@@ -436,6 +436,18 @@ def test_client_workloads_and_offload_runners(tmp_path):
             assert entry["status"] == "ok", (model, name, entry.get("error"))
             assert entry["params_match"] or name == "ddp", (model, name, entry["max_abs_param_diff"])
     assert not {"ds-offload", "ds-engine-backward-offload"} & set(compare.parse_args([]).runners)   # opt-in
+    # --frozen-stage 0: the reference and reward replicated (ZeRO-0 inference engines, as DDP has them),
+    # so graphzero's ZeRO-2 step gathers only the trained parameters (half of them per rank), none frozen
+    proc = _compare(tmp_path, "--model", "rlhf", "--tiny", "--stage", "2", "--frozen-stage", "0", "--steps", "1",
+                    "--warmup", "1", "--runners", "graphzero-eager,ds-engine-backward,ddp", "--json", "frozen0.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "frozen0.json").read_text())
+    for name in ("graphzero-eager", "ds-engine-backward"):
+        entry = result["runners"][name]
+        assert entry["status"] == "ok" and entry["params_match"], (name, entry.get("error"), entry["max_abs_param_diff"])
+    trained = sum(n for part, n in result["workload"]["parts"].items() if part in ("actor", "critic"))
+    gathered = result["runners"]["graphzero-eager"]["collectives_by_op"]["all_gather"]["bytes"]
+    assert gathered <= 1.01 * trained * 4 / 2, (gathered, trained)
     assert "fsdp2-compiled" not in compare.parse_args([]).runners
 
 

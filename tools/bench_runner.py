@@ -74,6 +74,7 @@ class RunContext:
     max_live_parameters: int | None = None  # zero_optimization.stage3_max_live_parameters (ZeRO-3)
     max_reuse_distance: int | None = None  # zero_optimization.stage3_max_reuse_distance (ZeRO-3)
     persistence_threshold: int = 0  # zero_optimization.stage3_param_persistence_threshold (ZeRO-3)
+    frozen_stage: int = 3  # the ZeRO stage of DeepSpeed engines without an optimizer (the rlhf's reference and reward)
 
     def fresh_parts(self) -> dict[str, nn.Module]:
         return {name: copy.deepcopy(part) for name, part in self.workload.parts.items()}

@@ -35,9 +35,11 @@ class DeepSpeedPlainBackward(Runner):
             config = self.ctx.ds_config(self.extra_config)
             config["zero_optimization"].update(self.zero_config)
             if part_name in self.ctx.workload.frozen:
-                # no optimizer: a ZeRO-3 inference engine, as examples/rlhf_ppo.py's reference and reward
+                # no optimizer: an inference engine (ZeRO-3 as examples/rlhf_ppo.py's reference and reward,
+                # or --frozen-stage 0)
                 del config["optimizer"], config["gradient_clipping"]
-                config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+                config["zero_optimization"] = ({"stage": 3, "stage3_param_persistence_threshold": 0}
+                                               if self.ctx.frozen_stage == 3 else {"stage": 0})
             engine, *_ = deepspeed.initialize(model=module, config=config)
             self.engines[part_name] = engine
 

@@ -165,7 +165,7 @@ def _run(args, rank, world, device, backend, threads, ctrl: ControlGroup) -> Non
                      graphzero_call=args.graphzero_call, reduce_bucket_size=args.reduce_bucket_size,
                      prefetch_bucket_size=args.prefetch_bucket_size, max_live_parameters=args.max_live_parameters,
                      max_reuse_distance=args.max_reuse_distance,
-                     persistence_threshold=args.persistence_threshold)
+                     persistence_threshold=args.persistence_threshold, frozen_stage=args.frozen_stage)
     if any(issubclass(RUNNERS[n], _ds_base()) for n in args.runners):
         _init_deepspeed(backend, args.timeout, args.verbose)
     ctrl.barrier()

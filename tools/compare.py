@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-3: DeepSpeed zero_optimization.stage3_param_persistence_threshold (default 0: "
                    "every parameter partitioned, as FSDP2 does; DeepSpeed's own default is 1e5: smaller "
                    "parameters stay gathered and step() gathers them again)")
+    p.add_argument("--frozen-stage", type=int, choices=(0, 3), default=3,
+                   help="ZeRO stage of the frozen parts' DeepSpeed engines (rlhf's reference and reward; default 3, "
+                   "as examples/rlhf_ppo.py; 0 keeps them replicated, as DDP and the ideal have them)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: bounds a collective that a failed rank never joins")
