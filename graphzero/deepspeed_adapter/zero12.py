@@ -99,14 +99,10 @@ class ZeroBinding(DeepSpeedBinding):
             partition = self.param_set.rank
             fp32_grad = opt.single_partition_of_fp32_groups[i].grad.view(-1)
             direct = sink.data_ptr() == fp32_grad.data_ptr()
-            pids, sources = [], []
             for param in opt.params_in_partition[i]:
                 pid = opt.get_param_id(param)
                 _, _, dest, n = opt.grad_position[pid]
                 source = sink.narrow(0, int(opt.grad_partition_insertion_offset[i][partition][pid]), int(n))
-                pids.append(pid)
-                sources.append(source.to(get_norm_dtype()))
+                opt.norm_for_param_grads[pid] = source.to(get_norm_dtype()).norm(2)
                 if not direct:
                     fp32_grad.narrow(0, dest, n).copy_(source.to(fp32_grad.dtype))
-            # one kernel for all of the group's norms: per parameter, this was most of the copy's time
-            opt.norm_for_param_grads.update(zip(pids, torch._foreach_norm(sources, 2)))
