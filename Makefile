@@ -14,6 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
+	# DeepSpeed's JIT-built CPU ops the suite loads (about a minute on 2 cores), built here once per
+	# venv rather than inside the first test that needs them
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.accelerator import get_accelerator; \
+		get_accelerator().create_op_builder('FusedAdamBuilder').load(); \
+		from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 install: $(VENV)/.installed
