@@ -21,7 +21,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphzero
-from scenario_utils import LR, assert_grads_close, data, ds_config, engine, full_grads, mlp, rank_world
+from scenario_utils import (
+    LR,
+    assert_grads_close,
+    data,
+    ds_config,
+    engine,
+    full_grads,
+    full_params,
+    mlp,
+    rank_world,
+)
 
 GAS = 2
 
@@ -160,22 +170,32 @@ def test_frozen_engine_with_trainable_parameters_refused(ranks):
         assert "requires_grad_(False)" in message
 
 
-def unattached_scenario() -> dict:
-    """A frozen ZeRO-3 teacher left out of ``engines``: DeepSpeed's hooks gather it, the step breaks
-    into pieces, and graphzero says which engine to list."""
+def unattached_scenario(offload: bool) -> dict:
+    """A frozen ZeRO-3 teacher left out of ``engines`` (the shape most often met: a teacher or
+    reference the user forgot): DeepSpeed's hooks gather it, the step breaks into pieces, graphzero
+    says which engine to list, and the student trains as the reference does. A dead weak proxy
+    lying in the process (Dynamo's and TRL's code leave such) must not break the warning's search
+    for the engine (it once crashed the compile with ReferenceError)."""
     import logging
-    rank, _ = rank_world()
+    import weakref
+    rank, world = rank_world()
     torch.manual_seed(0)
     models = {"student": Student(False), "teacher": mlp(8, 16, 8).requires_grad_(False)}
+    ref = copy.deepcopy(models)
+    ref_params = list(ref["student"].parameters())
     cfg = ds_config(3)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    eng = {"student": engine(models["student"], cfg), "teacher": frozen_engine(models["teacher"], 3)}
+    eng = {"student": engine(models["student"], cfg), "teacher": frozen_engine(models["teacher"], 3, offload)}
 
     def loss(models, x):
         with torch.no_grad():
             hint = models["teacher"](x)
         return models["student"](x, hint).square().mean()
 
+    class Gone:
+        pass
+
+    dead_proxy = weakref.proxy(Gone())   # its referent is collected at once
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -185,19 +205,30 @@ def unattached_scenario() -> dict:
     counters.clear()
     try:
         step = torch.compile(loss, backend="graphzero", options={"engines": {"student": eng["student"]}})
-        for t in range(2):
+        for t in range(3):
             step(eng, *data(t, rank, (4, 8))).backward()
+            for r in range(world):
+                (loss(ref, *data(t, r, (4, 8))) / world).backward()
+            assert_grads_close(full_grads(eng["student"]), [p.grad for p in ref_params], rtol=1e-4, atol=1e-6,
+                               what=f"rank {rank} step {t} student")
+            for p in ref_params:
+                p.grad = None
             eng["student"].step()
+            with torch.no_grad():   # the reference takes the engine's step: the next step starts level
+                for p, q in zip(ref_params, full_params(eng["student"])):
+                    p.copy_(q)
     finally:
         logging.getLogger("graphzero").removeHandler(handler)
+    del dead_proxy
     for e in eng.values():
         graphzero.detach(e)
     return {"warnings": [w for w in warnings if "does not own" in w],
             "breaks": int(sum(counters["graph_break"].values()))}
 
 
-def test_unattached_frozen_engine_named(ranks):
-    for r in ranks.run(unattached_scenario):
+@pytest.mark.parametrize("offload", [False, True], ids=["teacher", "offloaded-teacher"])
+def test_unattached_frozen_engine_named(ranks, offload):
+    for r in ranks.run(unattached_scenario, offload):
         assert r["breaks"] > 0
         assert len(r["warnings"]) == 1, r["warnings"]   # once per engine, not per graph
         assert "Sequential" in r["warnings"][0] and "no optimizer (frozen)" in r["warnings"][0]

@@ -30,8 +30,9 @@ def warn_unattached_zero3(example_inputs: Sequence[Any], graph_id: str) -> None:
         return
     ids = {id(p) for p in params}
     from deepspeed.runtime.engine import DeepSpeedEngine
-    # Only on this path (once per engine): which engine holds them, for the message.
-    engines = [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+    # Only on this path (once per engine): which engine holds them, for the message. type(), not
+    # isinstance: isinstance reads __class__, which on a dead weakref.proxy raises ReferenceError.
+    engines = [o for o in gc.get_objects() if issubclass(type(o), DeepSpeedEngine)]
     for engine in engines:
         mine = [n for n, p in engine.module.named_parameters() if id(p) in ids]
         if not mine:
