@@ -91,12 +91,16 @@ def zero3_bytes(*engines) -> int:
 
 
 def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, steps: int = 3,
-                     offload: bool = False) -> dict:
+                     offload: bool = False, flags_left_on: bool = False) -> dict:
+    """``flags_left_on``: the frozen models' parameters keep ``requires_grad=True``, as TRL and
+    Accelerate prepare a reference or teacher; graphzero attaches them frozen all the same."""
     rank, world = rank_world()
     torch.manual_seed(0)
-    models = {"student": Student(reentrant), "teacher": mlp(8, 16, 8).requires_grad_(False),
-              "judge": mlp(8, 16, 4).requires_grad_(False)}
+    models = {"student": Student(reentrant), "teacher": mlp(8, 16, 8).requires_grad_(flags_left_on),
+              "judge": mlp(8, 16, 4).requires_grad_(flags_left_on)}
     ref = copy.deepcopy(models)
+    ref["teacher"].requires_grad_(False)
+    ref["judge"].requires_grad_(False)
     ref_params = list(ref["student"].parameters())
     ref_opt = torch.optim.AdamW(ref_params, lr=LR, weight_decay=0.0)
     cfg = ds_config(student_stage, gas=GAS)
@@ -138,6 +142,8 @@ def distill_scenario(student_stage: int, teacher_stage: int, reentrant: bool, st
     assert zero3_bytes(eng["teacher"]) == 0
     for e in eng.values():
         graphzero.detach(e)
+    for name in ("teacher", "judge"):   # the flags as the user left them
+        assert all(p.requires_grad == flags_left_on for p in eng[name].module.parameters()), name
     with torch.no_grad():   # DeepSpeed's own hooks again
         torch.testing.assert_close(eng["judge"](x), ref["judge"](x), rtol=1e-5, atol=1e-6)
     dist.barrier()
@@ -155,19 +161,11 @@ def test_frozen_teacher_and_judge(ranks, student_stage, teacher_stage, reentrant
         assert (results[0]["graphs"], results[0]["breaks"]) == (1, 0), results[0]
 
 
-def requires_grad_scenario() -> str:
-    torch.manual_seed(0)
-    frozen = frozen_engine(mlp(8, 16, 8), 3)   # no optimizer, but its parameters require grad
-    with pytest.raises(graphzero.UnsupportedConfigError) as info:
-        graphzero.attach(teacher=frozen)
-    dist.barrier()
-    return str(info.value)
-
-
-def test_frozen_engine_with_trainable_parameters_refused(ranks):
-    for message in ranks.run(requires_grad_scenario):
-        assert "'teacher'" in message and "no optimizer" in message and "0.weight" in message
-        assert "requires_grad_(False)" in message
+def test_frozen_engines_whose_parameters_require_grad(ranks):
+    """TRL's prepared reference and teacher keep requires_grad=True: attached frozen, trained exactly."""
+    results = ranks.run(distill_scenario, 3, 3, False, flags_left_on=True)
+    assert results[0]["norms"] == results[1]["norms"]
+    assert (results[0]["graphs"], results[0]["breaks"]) == (1, 0), results[0]
 
 
 def unattached_scenario(offload: bool) -> dict:

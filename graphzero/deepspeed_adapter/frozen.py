@@ -35,14 +35,10 @@ def is_frozen(engine) -> bool:
 
 
 def check_frozen(name: str, engine) -> None:
-    """A frozen ZeRO-3 engine trains nothing (at ZeRO-0 a parameter that requires grad is one no engine
-    owns: plain ``.grad``); its ZeRO-3 parameters are all partitioned over one group."""
-    trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad and hasattr(p, "ds_tensor")]
-    if trainable:
-        raise UnsupportedConfigError(
-            f"engine {name!r} has no optimizer, so graphzero attaches it frozen, but its parameter(s) "
-            f"{trainable[:3]} require grad: call .requires_grad_(False) on its module (a teacher, reference or "
-            "reward model), or give the engine an optimizer to train it")
+    """A frozen engine's ZeRO-3 parameters are all partitioned over one group. Their ``requires_grad``
+    flags do not matter: TRL and Accelerate prepare reference, teacher and reward models with them
+    left on, and nothing trains a frozen engine (its shards never require grad, so its gathers carry
+    no gradient; at ZeRO-0 such a parameter is one no engine owns: plain ``.grad``)."""
     ranks = {tuple(dist.get_process_group_ranks(p.ds_process_group))
              for p in engine.module.parameters() if hasattr(p, "ds_tensor")}
     if len(ranks) > 1:
