@@ -173,7 +173,11 @@ class _PlainBackward:
     def get_global_grad_norm(self) -> Any:
         return self.wrapped.get_global_grad_norm() if self.wrapped is not None else None
 
-    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, scale_wrt_gas: bool = True,
+                 **kwargs: Any) -> None:
+        """``scale_wrt_gas=False`` (transformers' Trainer under DeepSpeed): the loss was divided by
+        gas already; graphzero's graphs divide every engine's gradient by it, so it is undone here
+        (every engine has the Accelerator's gas: check_gas)."""
         accelerator = self._accelerator
         registry = _registry(accelerator)
         records = list(registry.values())
@@ -201,6 +205,8 @@ class _PlainBackward:
             record.awaiting_step = False
             # ZeRO-1 with gas > 1 reduces only at the boundary: not the flag its last step() left.
             record.engine.set_gradient_accumulation_boundary(sync_gradients)
+        if not scale_wrt_gas:
+            loss = loss * accelerator.gradient_accumulation_steps
         loss.backward(**kwargs)
         if grad_fn is not None:
             grad_fn.metadata["graphzero_reduced"] = True

@@ -159,10 +159,13 @@ def chain_loss(models, x):
     return models["head"](models["body"](x)).square().mean()
 
 
-def chain_scenario(steps: int = 3, gas: int = 2) -> None:
+def chain_scenario(steps: int = 3, gas: int = 2, trainer_style: bool = False) -> None:
     """body (ZeRO-2) -> head (ZeRO-1) with Accelerate's gradient accumulation 2; the plugins say
     gradient_accumulation_steps "auto". The ZeRO-1 plugin is selected last, so Accelerate's
-    accumulate() would call DeepSpeed's no_sync() on the ZeRO-2 engine, which refuses it."""
+    accumulate() would call DeepSpeed's no_sync() on the ZeRO-2 engine, which refuses it.
+    ``trainer_style``: the loop of transformers' Trainer under DeepSpeed: the loss divided by gas
+    before ``accelerator.backward(loss, scale_wrt_gas=False)``, the optimizers stepped and zeroed
+    only at the accumulation boundary."""
     from accelerate.state import PartialState
 
     rank, world = rank_world()
@@ -193,15 +196,19 @@ def chain_scenario(steps: int = 3, gas: int = 2) -> None:
                 (x,) = data(i, rank, (4, 8))
                 with acc.accumulate(body, head):
                     assert acc.sync_gradients == (micro == gas - 1)
-                    acc.backward(step(engines, x))
+                    if trainer_style:
+                        acc.backward(step(engines, x) / gas, scale_wrt_gas=False)
+                    else:
+                        acc.backward(step(engines, x))
                     assert_no_full_grads(body, head)
                     ref.accumulate(chain_loss, [data(i, r, (4, 8)) for r in range(world)], gas=gas)
                     if acc.sync_gradients:
                         check_boundary(t, engines, ref)
-                    opt_b.step()
-                    opt_h.step()
-                    opt_b.zero_grad()
-                    opt_h.zero_grad()
+                    if acc.sync_gradients or not trainer_style:
+                        opt_b.step()
+                        opt_h.step()
+                        opt_b.zero_grad()
+                        opt_h.zero_grad()
             ref.step()
             check_after_step(t, engines, ref)
             assert body.global_steps == head.global_steps == t + 1
@@ -451,6 +458,10 @@ def test_gan_one_accelerator_per_model(ranks):
 
 def test_chain_gradient_accumulation_2(ranks):
     ranks.run(chain_scenario)
+
+
+def test_chain_trainer_style_loss_scaled_by_gas_before_backward(ranks):
+    ranks.run(chain_scenario, trainer_style=True)
 
 
 def test_two_phase_gan_each_optimizer_steps_its_engine(ranks):

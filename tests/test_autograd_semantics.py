@@ -153,3 +153,29 @@ def test_autograd_grad_retain_graph_nonscalar_and_refusals(ranks):
         assert "engine 'net'" in r["no_grad"] and "step()" in r["no_grad"]
         assert "create_graph" in r["create_graph"] and "net" in r["create_graph"]
         assert "inputs=" in r["partial"] and "net." in r["partial"]
+
+
+def scale_wrt_gas_scenario(steps: int = 3, gas: int = 2) -> None:
+    """``engine.backward(loss / gas, scale_wrt_gas=False)`` (transformers' Trainer divides by gas
+    itself) gives under graphzero the gradients DeepSpeed eager gives, at every boundary."""
+    import copy
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    model = mlp(8, 16, 4)
+    twin, owned = engine(copy.deepcopy(model), ds_config(2, gas=gas)), engine(model, ds_config(2, gas=gas))
+    loss_of = lambda m, x: m["net"](x).square().mean()
+    step = torch.compile(loss_of, backend="graphzero", options={"engines": {"net": owned}, "inner": "eager"})
+    for t in range(steps):
+        for m in range(gas):
+            (x,) = data(t * gas + m, rank, (4, 8))
+            returned = twin.backward(loss_of({"net": twin}, x) / gas, scale_wrt_gas=False)
+            mine = owned.backward(step({"net": owned}, x) / gas, scale_wrt_gas=False)
+            torch.testing.assert_close(mine, returned)
+            if m == gas - 1:
+                assert_grads_close(full_grads(owned), full_grads(twin), **GRAD_TOL, what=f"step {t}")
+            twin.step()
+            owned.step()
+
+
+def test_engine_backward_scale_wrt_gas_false(ranks):
+    ranks.run(scale_wrt_gas_scenario)

@@ -367,9 +367,8 @@ def plain_forward(engine, ledger: PatchLedger) -> None:
 
 def _graphzero_engine_backward(engine, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
     """``engine.backward`` while graphzero owns the engine: a plain ``loss.backward()`` (1/gas and the
-    reduction are in the compiled backward)."""
-    if not scale_wrt_gas:
-        raise UnsupportedConfigError(
-            "engine.backward(..., scale_wrt_gas=False) under graphzero: gradients are scaled by 1/gas in-graph")
-    loss.backward(retain_graph=retain_graph)
-    return loss / engine.gradient_accumulation_steps()
+    reduction are in the compiled backward). ``scale_wrt_gas=False``: the caller divided the loss by
+    the engine's gas already (transformers' Trainer), which the graphs' 1/gas then undoes."""
+    gas = engine.gradient_accumulation_steps()
+    (loss if scale_wrt_gas else loss * gas).backward(retain_graph=retain_graph)
+    return loss / gas if scale_wrt_gas else loss
