@@ -87,6 +87,23 @@ def remove_zero3_hooks(offload, ledger: PatchLedger) -> None:
     (setup_zero_stage3_hooks would make new ones)."""
     for handle in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
         ledger.remove_hook(handle)
+    # TRL's and DeepSpeed's unwrap_model_for_generation empty these lists and register the hooks
+    # anew afterwards (_register_deepspeed_module): that would put DeepSpeed's gathers back on a
+    # module graphzero gathers for, and the next compiled step would trace them (a silent wrong
+    # gradient). While attached the re-registration does nothing; detach gives back these lists
+    # and their hooks.
+    for attr in ("forward_hooks", "backward_hooks"):
+        ledger.set_attr(offload, attr, getattr(offload, attr))
+    told = []
+
+    def register_deepspeed_module(module, *args, **kwargs) -> None:
+        if not told:
+            told.append(True)
+            log.info("DeepSpeed's ZeRO-3 hooks re-registered on %s (e.g. after TRL's or DeepSpeed's "
+                     "unwrap_model_for_generation): left out while graphzero owns the engine, which gathers its "
+                     "parameters itself", type(module).__name__)
+
+    ledger.set_attr(offload, "_register_deepspeed_module", register_deepspeed_module)
 
 
 def use_torch_linear(name: str, ledger: PatchLedger) -> None:

@@ -24,6 +24,7 @@ and DeepSpeed's own attribute reads outside the step would call the parametrizat
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -75,11 +76,20 @@ def _share_hook_dicts(module: torch.nn.Module, names: tuple[str, ...], ledger: P
     ledger.set_attr(module, _HOOKS_ATTR, dicts)
 
 
+def _asks_ds_status() -> bool:
+    """Whether code that asks a ZeRO-3 parameter its ``ds_status`` may run: transformers' and TRL's
+    (TRL's fused LM head, ``maybe_gather_lm_head_ctx``), which ask only while transformers says
+    ZeRO-3 is on (an HF/TRL ZeRO-3 run). Only then does a gathered read carry the attribute: set in a
+    traced checkpointed block, it is a side effect that breaks the graph there."""
+    hf = sys.modules.get("transformers.integrations.deepspeed")
+    return hf is not None and bool(hf.is_deepspeed_zero3_enabled())
+
+
 def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.nn.Module, str], torch.Tensor]:
-    def read(module: torch.nn.Module, name: str) -> torch.Tensor:
-        p = module._parameters[name]
-        if not (torch.compiler.is_compiling() or depth.depth > 0):
-            return p
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    available = ZeroParamStatus.AVAILABLE if _asks_ds_status() else None
+
+    def gathered(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         if not p.requires_grad:
             # frozen for this step: no gradient, as under eager autograd (Dynamo guards on
             # p.requires_grad)
@@ -96,6 +106,16 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
         # refused at backward (compiler.BackwardWithRuntimeInputs).
         hooks = getattr(module, _HOOKS_ATTR)[name]
         return with_tensor_hooks(full, tuple(hooks.values())) if hooks else full
+
+    def read(module: torch.nn.Module, name: str) -> torch.Tensor:
+        p = module._parameters[name]
+        if not (torch.compiler.is_compiling() or depth.depth > 0):
+            return p
+        full = gathered(module, name, p)
+        if available is not None:
+            # code that asks a ZeRO-3 parameter whether to gather it hears that this one is gathered
+            full.ds_status = available
+        return full
     return read
 
 
