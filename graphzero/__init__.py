@@ -93,8 +93,8 @@ early_attach.install()
 
 
 def __getattr__(name: str) -> Any:
-    # `import graphzero` must not import the optional accelerate extra.
-    if name == "accelerate":
+    # `import graphzero` must not import the optional accelerate and trl extras.
+    if name in ("accelerate", "hf"):
         import importlib
-        return importlib.import_module(".accelerate", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
