@@ -109,13 +109,45 @@ def _attach(trainer: Any, options: dict) -> dict[str, Any]:
         return original(model, inputs, *args, **kwargs)   # evaluation, prediction
 
     trainer.compute_loss = compute_loss
+    for engine in engines.values():
+        _checkpointing_switches_eager(engine.module)
     log.info("graphzero.hf: %s trains %r under graphzero%s", type(trainer).__name__, trained_name,
              f", with {sorted(extras)} attached frozen" if extras else "")
     return engines
 
 
+# transformers' deprecated aliases, which TRL calls inside compute_loss (disable_gradient_checkpointing
+# around a no-grad reference forward; every TRL config defaults to gradient_checkpointing=True)
+_CHECKPOINTING_SWITCHES = ("gradient_checkpointing_disable", "gradient_checkpointing_enable")
+_EAGER_ATTR = "_graphzero_eager_switches"
+
+
+def _checkpointing_switches_eager(module: Any) -> None:
+    """Run the model's gradient-checkpointing switches eagerly, never traced: under Dynamo,
+    transformers' ``_is_overridden`` check (a bound method's ``__func__`` against the class's) is
+    re-evaluated in the resume function after the switch's FutureWarning breaks the graph, and the
+    two aliases call each other until RecursionError (transformers 5.25, torch 2.13). Instance
+    attributes, removed at the end of training; as instance wrappers transformers' own check takes
+    the non-recursive branch."""
+    if getattr(module, _EAGER_ATTR, None) is not None:
+        return
+    added = []
+    for name in _CHECKPOINTING_SWITCHES:
+        if callable(getattr(module, name, None)) and name not in vars(module):
+            setattr(module, name, torch.compiler.disable(getattr(module, name)))
+            added.append(name)
+    setattr(module, _EAGER_ATTR, added)
+
+
+def _checkpointing_switches_restored(module: Any) -> None:
+    for name in vars(module).pop(_EAGER_ATTR, []):
+        vars(module).pop(name, None)
+
+
 def _detach(trainer: Any, engines: dict[str, Any]) -> None:
     trainer.__dict__.pop("compute_loss", None)
+    for engine in engines.values():
+        _checkpointing_switches_restored(engine.module)
     graphzero_accelerate.disable(trainer.accelerator)
     for engine in engines.values():
         deepspeed_adapter.detach(engine)

@@ -12,9 +12,11 @@ DeepSpeed's again.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphzero
@@ -141,3 +143,79 @@ def test_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas, with_refer
         assert g["graphs"] >= 1   # the loss ran compiled
         if with_reference:   # the trained and the frozen engine in one graph, the reference's gathers in it
             assert (g["graphs"], g["breaks"]) == (1, {}), g
+
+
+def tiny_tokenizer(directory: str):
+    """A word-level tokenizer built in code (no hub), saved and loaded as a user's would be."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def preference_data(n: int = 32):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(3)
+
+    def text(k: int) -> str:
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 61, (k,), generator=g))
+
+    return Dataset.from_list([{"prompt": text(4), "chosen": text(3), "rejected": text(3)} for _ in range(n)])
+
+
+def dpo_scenario(under_graphzero: bool, stage: int, gas: int, out: str) -> dict:
+    import deepspeed
+    from transformers import PreTrainedTokenizerFast
+    from trl import DPOConfig, DPOTrainer
+
+    reset_accelerate()
+    path = f"{out}/model"   # saved, so that TRL loads the reference from the same path (as from the hub)
+    if rank_world()[0] == 0 and not os.path.exists(f"{path}/config.json"):
+        tokenizer = tiny_tokenizer(path)
+        model = tiny_gpt2()
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(path)
+    dist.barrier()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    args = DPOConfig(
+        output_dir=f"{out}/{'gz' if under_graphzero else 'ds'}", per_device_train_batch_size=2,
+        gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="no", report_to=[], deepspeed=ds_config(stage), seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, use_cpu=True, beta=0.1, bf16=False)
+    trainer = DPOTrainer(model=path, args=args, train_dataset=preference_data(), processing_class=tokenizer)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    if under_graphzero:
+        graphzero.hf.enable(trainer)
+    trainer.train()
+    engine = trainer.model_wrapped
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        final = [p.detach().clone() for p in params]
+    logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
+    reset_accelerate()
+    return {"params": final, "logs": logs, "graphs": counters["stats"]["unique_graphs"],
+            "breaks": {k[:160]: v for k, v in counters["graph_break"].items()}}
+
+
+@pytest.mark.parametrize("stage,gas", [(3, 2)], ids=["zero3-gas2"])
+def test_dpo_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas):
+    """TRL's DPOTrainer with its defaults (gradient checkpointing on, the reference loaded by TRL
+    from the policy's path and prepared by TRL as a ZeRO-3 engine) but fp32: ZeRO-3 policy, gas 2."""
+    eager = ranks.run(dpo_scenario, False, stage, gas, str(tmp_path))
+    mine = ranks.run(dpo_scenario, True, stage, gas, str(tmp_path))
+    for rank, (e, g) in enumerate(zip(eager, mine)):
+        assert len(g["logs"]) == STEPS, g["logs"]
+        for t, (le, lg) in enumerate(zip(e["logs"], g["logs"])):
+            assert lg[0] == pytest.approx(le[0], rel=1e-4, abs=1e-6), f"rank {rank} step {t} loss"
+            assert lg[1] == pytest.approx(le[1], rel=1e-4), f"rank {rank} step {t} grad_norm"
+        for i, (a, b) in enumerate(zip(g["params"], e["params"])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, rank=rank: f"rank {rank} param {i}: {m}")
+        print(f"DPO rank {rank}: {g['graphs']} graphs, breaks {g['breaks']}")

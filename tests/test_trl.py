@@ -39,6 +39,9 @@ class FusedHeadLM(nn.Module):
         self.body, self.lm_head = mlp(8, 16, 8), nn.Linear(8, 12)
         self.under_deepspeed = True   # the single-process reference's copies say False
 
+    def get_output_embeddings(self) -> nn.Module:   # as an HF model answers: where TRL looks for the head
+        return self.lm_head
+
     def forward(self, x, labels):
         from trl.trainer.utils import maybe_gather_lm_head_ctx
         h = self.body(x)
