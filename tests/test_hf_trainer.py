@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from suite_sample import sample
 
 import graphzero
 from scenario_utils import rank_world
@@ -85,8 +86,31 @@ def distill_trainer_class():
     return WithReference
 
 
-def train_scenario(under_graphzero: bool, stage: int, gas: int, with_reference: bool, out: str) -> dict:
+def run_trainer(trainer, under_graphzero: bool) -> dict:
+    """Train (under graphzero or DeepSpeed eager); the trained parameters gathered, each logged step's
+    (loss, grad_norm, learning_rate), the graphs and breaks Dynamo counted."""
     import deepspeed
+
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    if under_graphzero:
+        graphzero.hf.enable(trainer)
+    trainer.train()
+    engine = trainer.model_wrapped
+    assert graphzero.deepspeed_adapter.binding_of(engine) is None   # given back at on_train_end
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        final = [p.detach().clone() for p in params]
+    logs = [(entry["loss"], entry["grad_norm"], entry["learning_rate"])
+            for entry in trainer.state.log_history if "loss" in entry]
+    reset_accelerate()
+    return {"params": final, "logs": logs, "graphs": counters["stats"]["unique_graphs"],
+            "breaks": {k[:160]: v for k, v in counters["graph_break"].items()},
+            "global_step": trainer.state.global_step}
+
+
+def train_scenario(under_graphzero: bool, stage: int, gas: int, with_reference: bool, out: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
     rank, _ = rank_world()
@@ -105,32 +129,15 @@ def train_scenario(under_graphzero: bool, stage: int, gas: int, with_reference: 
     kwargs = {"ref_model": reference} if with_reference else {}
     cls = distill_trainer_class() if with_reference else Trainer
     trainer = cls(model=model, args=args, train_dataset=dataset(rank), **kwargs)
-    counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()
-    counters.clear()
-    if under_graphzero:
-        graphzero.hf.enable(trainer)
-    trainer.train()
-    engine = trainer.model_wrapped
-    assert graphzero.deepspeed_adapter.binding_of(engine) is None   # given back at on_train_end
+    result = run_trainer(trainer, under_graphzero)
     if with_reference:
         assert graphzero.deepspeed_adapter.binding_of(trainer.ref_model) is None
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        final = [p.detach().clone() for p in params]
-    logs = [(entry["loss"], entry["grad_norm"], entry["learning_rate"])
-            for entry in trainer.state.log_history if "loss" in entry]
-    reset_accelerate()
-    return {"params": final, "logs": logs, "graphs": counters["stats"]["unique_graphs"],
-            "breaks": {k[:120]: v for k, v in counters["graph_break"].items()},
-            "global_step": trainer.state.global_step}
+    return result
 
 
-@pytest.mark.parametrize("stage,gas,with_reference", [(2, 2, False), (3, 1, True)],
-                         ids=["zero2-gas2", "zero3-frozen-reference"])
-def test_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas, with_reference):
-    eager = ranks.run(train_scenario, False, stage, gas, with_reference, str(tmp_path))
-    mine = ranks.run(train_scenario, True, stage, gas, with_reference, str(tmp_path))
+def assert_same_runs(eager: list[dict], mine: list[dict]) -> None:
+    """Per rank: STEPS optimizer steps on both sides; each logged loss, grad_norm and learning rate;
+    the parameters after training within 1e-4; the loss ran compiled."""
     for rank, (e, g) in enumerate(zip(eager, mine)):
         assert e["global_step"] == g["global_step"] == STEPS
         assert len(g["logs"]) == STEPS, g["logs"]
@@ -140,7 +147,16 @@ def test_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas, with_refer
             assert lg[2] == le[2], f"rank {rank} step {t} learning rate"
         for i, (a, b) in enumerate(zip(g["params"], e["params"])):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, rank=rank: f"rank {rank} param {i}: {m}")
-        assert g["graphs"] >= 1   # the loss ran compiled
+        assert g["graphs"] >= 1
+
+
+@pytest.mark.parametrize("stage,gas,with_reference", [(2, 2, False), (3, 1, True)],
+                         ids=["zero2-gas2", "zero3-frozen-reference"])
+def test_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas, with_reference):
+    eager = ranks.run(train_scenario, False, stage, gas, with_reference, str(tmp_path))
+    mine = ranks.run(train_scenario, True, stage, gas, with_reference, str(tmp_path))
+    assert_same_runs(eager, mine)
+    for g in mine:
         if with_reference:   # the trained and the frozen engine in one graph, the reference's gathers in it
             assert (g["graphs"], g["breaks"]) == (1, {}), g
 
@@ -169,53 +185,99 @@ def preference_data(n: int = 32):
     return Dataset.from_list([{"prompt": text(4), "chosen": text(3), "rejected": text(3)} for _ in range(n)])
 
 
+def trl_args(config_cls, under_graphzero: bool, stage: int, gas: int, out: str, **extra):
+    """A TRL config with TRL's defaults but fp32 (TRL's bf16 at ZeRO-3 is refused for now)."""
+    return config_cls(
+        output_dir=f"{out}/{'gz' if under_graphzero else 'ds'}", per_device_train_batch_size=2,
+        gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=0.5, logging_steps=1,
+        save_strategy="no", report_to=[], deepspeed=ds_config(stage), seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, use_cpu=True, bf16=False, **extra)
+
+
 def dpo_scenario(under_graphzero: bool, stage: int, gas: int, out: str) -> dict:
-    import deepspeed
     from transformers import PreTrainedTokenizerFast
     from trl import DPOConfig, DPOTrainer
 
     reset_accelerate()
-    path = f"{out}/model"   # saved, so that TRL loads the reference from the same path (as from the hub)
-    if rank_world()[0] == 0 and not os.path.exists(f"{path}/config.json"):
-        tokenizer = tiny_tokenizer(path)
-        model = tiny_gpt2()
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(path)
-    dist.barrier()
+    (path,) = saved_models(out, "model")   # TRL loads its reference from the policy's path, as from the hub
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    args = DPOConfig(
-        output_dir=f"{out}/{'gz' if under_graphzero else 'ds'}", per_device_train_batch_size=2,
-        gradient_accumulation_steps=gas, max_steps=STEPS, learning_rate=1e-3, max_grad_norm=0.5, logging_steps=1,
-        save_strategy="no", report_to=[], deepspeed=ds_config(stage), seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, use_cpu=True, beta=0.1, bf16=False)
+    args = trl_args(DPOConfig, under_graphzero, stage, gas, out, beta=0.1)
     trainer = DPOTrainer(model=path, args=args, train_dataset=preference_data(), processing_class=tokenizer)
-    counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()
-    counters.clear()
-    if under_graphzero:
-        graphzero.hf.enable(trainer)
-    trainer.train()
-    engine = trainer.model_wrapped
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        final = [p.detach().clone() for p in params]
-    logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
+    return run_trainer(trainer, under_graphzero)
+
+
+def prompts(n: int = 32):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    return Dataset.from_list([{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(0, 61, (4,), generator=g))}
+                              for _ in range(n)])
+
+
+def saved_models(out: str, *names: str) -> list[str]:
+    """Tiny GPT-2s (the k-th with its weights x 0.9**k) and the tokenizer saved under ``out``, as from the hub; rank 0 writes."""
+    paths = [f"{out}/{name}" for name in names]
+    if rank_world()[0] == 0:
+        for k, path in enumerate(paths):
+            if not os.path.exists(f"{path}/config.json"):
+                tokenizer = tiny_tokenizer(path)
+                model = tiny_gpt2()
+                with torch.no_grad():   # the k-th differs from the first
+                    for p in model.parameters():
+                        p.mul_(0.9**k)
+                model.config.pad_token_id = tokenizer.pad_token_id
+                model.config.eos_token_id = tokenizer.eos_token_id
+                model.save_pretrained(path)
+    dist.barrier()
+    return paths
+
+
+def distillation_scenario(under_graphzero: bool, stage: int, gas: int, out: str) -> dict:
+    from transformers import PreTrainedTokenizerFast
+    from trl import DistillationConfig, DistillationTrainer
+
     reset_accelerate()
-    return {"params": final, "logs": logs, "graphs": counters["stats"]["unique_graphs"],
-            "breaks": {k[:160]: v for k, v in counters["graph_break"].items()}}
+    student, teacher = saved_models(out, "student", "teacher")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(student)
+    args = trl_args(DistillationConfig, under_graphzero, stage, gas, out, max_completion_length=4)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=prompts(),
+                                  processing_class=tokenizer)
+    return run_trainer(trainer, under_graphzero)
 
 
-@pytest.mark.parametrize("stage,gas", [(3, 2)], ids=["zero3-gas2"])
-def test_dpo_trainer_same_as_deepspeed_eager(ranks, tmp_path, stage, gas):
-    """TRL's DPOTrainer with its defaults (gradient checkpointing on, the reference loaded by TRL
-    from the policy's path and prepared by TRL as a ZeRO-3 engine) but fp32: ZeRO-3 policy, gas 2."""
-    eager = ranks.run(dpo_scenario, False, stage, gas, str(tmp_path))
-    mine = ranks.run(dpo_scenario, True, stage, gas, str(tmp_path))
-    for rank, (e, g) in enumerate(zip(eager, mine)):
-        assert len(g["logs"]) == STEPS, g["logs"]
-        for t, (le, lg) in enumerate(zip(e["logs"], g["logs"])):
-            assert lg[0] == pytest.approx(le[0], rel=1e-4, abs=1e-6), f"rank {rank} step {t} loss"
-            assert lg[1] == pytest.approx(le[1], rel=1e-4), f"rank {rank} step {t} grad_norm"
-        for i, (a, b) in enumerate(zip(g["params"], e["params"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, rank=rank: f"rank {rank} param {i}: {m}")
-        print(f"DPO rank {rank}: {g['graphs']} graphs, breaks {g['breaks']}")
+def grpo_scenario(under_graphzero: bool, stage: int, gas: int, out: str) -> dict:
+    from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    reset_accelerate()
+    (policy,) = saved_models(out, "policy")
+    reward = f"{out}/reward"
+    if rank_world()[0] == 0 and not os.path.exists(f"{reward}/config.json"):
+        tiny_tokenizer(reward)
+        torch.manual_seed(1)
+        GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                                 num_labels=1, pad_token_id=0)).save_pretrained(reward)
+    dist.barrier()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(policy)
+    args = trl_args(GRPOConfig, under_graphzero, stage, gas, out, max_completion_length=4, num_generations=2,
+                    beta=0.04)
+    trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=args, train_dataset=prompts(),
+                          processing_class=tokenizer)
+    return run_trainer(trainer, under_graphzero)
+
+
+TRL_SCENARIOS = {"dpo": dpo_scenario, "distillation": distillation_scenario, "grpo": grpo_scenario}
+
+
+@pytest.mark.parametrize("kind", sample(TRL_SCENARIOS, default=["dpo"]))
+def test_trl_trainer_same_as_deepspeed_eager(ranks, tmp_path, kind):
+    """TRL's trainers with their defaults (gradient checkpointing on, ds3_gather_for_generation=True,
+    their own ZeRO-3 reference, teacher and reward engines) but fp32, ZeRO-3 policy, gas 2:
+    DPOTrainer (reference loaded by TRL from the policy's path); DistillationTrainer (on-policy: the
+    student generates between steps; a ZeRO-3 teacher); GRPOTrainer with a reward model and a KL
+    reference (beta 0.04), completions generated between steps."""
+    eager = ranks.run(TRL_SCENARIOS[kind], False, 3, 2, str(tmp_path))
+    mine = ranks.run(TRL_SCENARIOS[kind], True, 3, 2, str(tmp_path))
+    assert_same_runs(eager, mine)
+    for rank, g in enumerate(mine):
+        print(f"{kind} rank {rank}: {g['graphs']} graphs, breaks {g['breaks']}")
