@@ -76,18 +76,49 @@ def _share_hook_dicts(module: torch.nn.Module, names: tuple[str, ...], ledger: P
     ledger.set_attr(module, _HOOKS_ATTR, dicts)
 
 
-def _asks_ds_status() -> bool:
-    """Whether code that asks a ZeRO-3 parameter its ``ds_status`` may run: transformers' and TRL's
-    (TRL's fused LM head, ``maybe_gather_lm_head_ctx``), which ask only while transformers says
-    ZeRO-3 is on (an HF/TRL ZeRO-3 run). Only then does a gathered read carry the attribute: set in a
-    traced checkpointed block, it is a side effect that breaks the graph there."""
+# On a model's output-embedding module (its LM head) in an HF/TRL ZeRO-3 run: the gathered reads of
+# its parameters answer ``ds_status``.
+_ANSWERS_DS_STATUS_ATTR = "_graphzero_answers_ds_status"
+
+
+def _lm_heads(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The output-embedding modules of the HF models in ``module``'s tree, where transformers says
+    ZeRO-3 is on (``is_deepspeed_zero3_enabled()``, as under TRL and Accelerate): the one place code
+    asks a gathered ZeRO-3 parameter its ``ds_status`` (TRL's fused LM head,
+    ``maybe_gather_lm_head_ctx``). Only there: the attribute set on a tensor inside a traced
+    checkpointed block is a side effect that breaks the graph."""
     hf = sys.modules.get("transformers.integrations.deepspeed")
-    return hf is not None and bool(hf.is_deepspeed_zero3_enabled())
+    if hf is None or not hf.is_deepspeed_zero3_enabled():
+        return []
+    heads = []
+    for sub in module.modules():
+        try:
+            head = sub.get_output_embeddings() if hasattr(sub, "get_output_embeddings") else None
+        except (NotImplementedError, AttributeError):
+            head = None
+        if isinstance(head, torch.nn.Module) and all(head is not h for h in heads):
+            heads.append(head)
+    return heads
 
 
-def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.nn.Module, str], torch.Tensor]:
+def _inside_module_call(tree: frozenset[int]) -> bool:
+    """Whether a call of a module of ``tree`` (ids) is running further up the Python stack. A module
+    call that straddles a graph break runs its forward pre-hook traced (not counted by
+    ``_EagerDepth``) and the rest of the call eagerly, in ``_call_impl`` frames or Dynamo's resume
+    functions of them: seen under TRL's DPOTrainer, where the policy's embedding otherwise read the
+    empty DeepSpeed parameter. Only eager reads that ``_EagerDepth`` places outside every call ask."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "_call_impl" in frame.f_code.co_name and id(frame.f_locals.get("self")) in tree:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _reader(depth: _EagerDepth, world: int, group_name: str,
+            tree: frozenset[int]) -> Callable[[torch.nn.Module, str], torch.Tensor]:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    available = ZeroParamStatus.AVAILABLE if _asks_ds_status() else None
+    available = ZeroParamStatus.AVAILABLE
 
     def gathered(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         if not p.requires_grad:
@@ -109,10 +140,10 @@ def _reader(depth: _EagerDepth, world: int, group_name: str) -> Callable[[torch.
 
     def read(module: torch.nn.Module, name: str) -> torch.Tensor:
         p = module._parameters[name]
-        if not (torch.compiler.is_compiling() or depth.depth > 0):
+        if not (torch.compiler.is_compiling() or depth.depth > 0 or _inside_module_call(tree)):
             return p
         full = gathered(module, name, p)
-        if available is not None:
+        if getattr(module, _ANSWERS_DS_STATUS_ATTR, False):
             # code that asks a ZeRO-3 parameter whether to gather it hears that this one is gathered
             full.ds_status = available
         return full
@@ -138,7 +169,9 @@ def install(module: torch.nn.Module, world: int, group_name: str, ledger: PatchL
     """Make every ZeRO-3 parameter of ``module``'s tree read as a gathered tensor, through ``ledger``;
     returns the number of modules swapped."""
     depth = _EagerDepth()
-    read = _reader(depth, world, group_name)
+    read = _reader(depth, world, group_name, frozenset(id(m) for m in module.modules()))
+    for head in _lm_heads(module):
+        ledger.set_attr(head, _ANSWERS_DS_STATUS_ATTR, True)
     swapped = 0
     for sub in module.modules():
         ledger.add_hook(sub.register_forward_pre_hook(depth.enter))
