@@ -30,6 +30,7 @@ import torch
 
 from . import accelerate as graphzero_accelerate
 from . import deepspeed_adapter
+from .accelerate_checks import is_engine
 from .bound_backend import backend
 from .deepspeed_adapter.frozen import is_frozen
 from .errors import AccelerateError
@@ -69,24 +70,20 @@ def enable(trainer: Any, **options: Any) -> Any:
 def other_engines(trainer: Any, trained: Any) -> dict[str, Any]:
     """The DeepSpeed engines the trainer holds besides the trained one, named after their attribute
     (``ref_model``, ``teacher_model``, ``reward_funcs0``...)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
     found: dict[str, Any] = {}
     for attr, value in vars(trainer).items():
         values = [(attr, value)] if not isinstance(value, (list, tuple)) else [
             (f"{attr}{i}", v) for i, v in enumerate(value)]
         for name, candidate in values:
-            if (issubclass(type(candidate), DeepSpeedEngine) and candidate is not trained
+            if (is_engine(candidate) and candidate is not trained
                     and all(candidate is not e for e in found.values())):
                 found[name] = candidate
     return found
 
 
 def _attach(trainer: Any, options: dict) -> dict[str, Any]:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
     trained = trainer.model_wrapped
-    if not issubclass(type(trained), DeepSpeedEngine):
+    if not is_engine(trained):
         raise AccelerateError(
             f"graphzero.hf: after the Trainer prepared its model, {type(trained).__name__} is not a DeepSpeed "
             "engine (is DeepSpeed enabled in TrainingArguments?)")
